@@ -1,0 +1,124 @@
+"""Liveness, readiness and Prometheus metrics; open even when API keys are set."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+from sqlalchemy import text
+
+from app.errors import PROBLEM_JSON
+from app.migrate import current_revision, head_revision
+from app.schemas.common import problem_responses
+
+router = APIRouter(tags=["health"])
+
+CHECK_TIMEOUT = 3.0
+
+
+class Check(BaseModel):
+    ok: bool
+    detail: str
+
+
+class Readiness(BaseModel):
+    status: str = Field(description="`ready`, or `unavailable` (HTTP 503).")
+    checks: dict[str, Check] = Field(description="Each check by name.")
+
+
+class Liveness(BaseModel):
+    status: str = "ok"
+
+
+@router.get("/healthz", response_model=Liveness, summary="Liveness (no I/O)")
+async def healthz() -> Liveness:
+    return Liveness()
+
+
+async def _database(request: Request) -> Check:
+    async with request.app.state.engine.connect() as conn:
+        await conn.execute(text("SELECT 1"))
+        current = await current_revision(conn)
+    head = head_revision()
+    if current != head:
+        return Check(ok=False, detail=f"schema at {current}, code expects {head}")
+    return Check(ok=True, detail=f"reachable, schema at head {head}")
+
+
+async def _worker(request: Request) -> Check:
+    worker = request.app.state.worker
+    if worker is None:
+        return Check(ok=True, detail="no worker in this process (TRAINYARD_WORKER_ENABLED=false)")
+    settings = request.app.state.settings
+    if worker.last_heartbeat is None:
+        return Check(ok=False, detail="worker has not started yet")
+    age = asyncio.get_running_loop().time() - worker.last_heartbeat
+    if age > 3 * settings.heartbeat_seconds + 1:
+        return Check(ok=False, detail=f"last worker heartbeat {age:.0f}s ago")
+    return Check(ok=True, detail=f"heartbeat {age:.1f}s ago, {len(worker.tasks)} job(s) running")
+
+
+async def _backends(request: Request) -> Check:
+    failing = []
+    for name, adapter in request.app.state.backends.active.items():
+        try:
+            await adapter.health()
+        except Exception as exc:
+            failing.append(f"{name}: {exc}")
+    if failing:
+        return Check(ok=False, detail="; ".join(failing))
+    return Check(ok=True, detail="all backends in use are reachable")
+
+
+async def _run(check: Any, request: Request) -> Check:
+    try:
+        return await asyncio.wait_for(check(request), CHECK_TIMEOUT)
+    except TimeoutError:
+        return Check(ok=False, detail=f"timed out after {CHECK_TIMEOUT:.0f}s")
+    except Exception as exc:
+        return Check(ok=False, detail=f"{type(exc).__name__}: {exc}")
+
+
+@router.get(
+    "/readyz",
+    response_model=Readiness,
+    summary="Readiness: database, migrations, worker, trainer backends",
+    responses=problem_responses(503),
+)
+async def readyz(request: Request) -> Any:
+    names = ("database", "worker", "backends")
+    results = await asyncio.gather(*(_run(c, request) for c in (_database, _worker, _backends)))
+    checks = dict(zip(names, results, strict=True))
+    if all(c.ok for c in checks.values()):
+        return Readiness(status="ready", checks=checks)
+    failing = [name for name, c in checks.items() if not c.ok]
+    body = {
+        "type": "urn:trainyard:problem:not-ready",
+        "title": "Service Unavailable",
+        "status": 503,
+        "detail": "failing: " + ", ".join(failing),
+        "instance": request.url.path,
+        "checks": {name: c.model_dump() for name, c in checks.items()},
+    }
+    return JSONResponse(
+        body, status_code=503, media_type=PROBLEM_JSON, headers={"Retry-After": "5"}
+    )
+
+
+@router.get(
+    "/metrics",
+    summary="Prometheus metrics",
+    response_class=Response,
+    responses={
+        200: {
+            "content": {"text/plain": {"schema": {"type": "string"}}},
+            "description": "Prometheus text exposition format",
+        }
+    },
+)
+async def metrics(request: Request) -> Response:
+    body, content_type = await request.app.state.metrics.render(request.app.state.sessions)
+    return Response(body, media_type=content_type)

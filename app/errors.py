@@ -1,0 +1,252 @@
+"""Every error leaves the service as RFC 9457 `application/problem+json`."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, OperationalError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.status import HTTP_422_UNPROCESSABLE_CONTENT
+
+from app.schemas.common import FieldError, Problem
+
+log = logging.getLogger(__name__)
+
+PROBLEM_JSON = "application/problem+json"
+PROBLEM_TYPE = "urn:trainyard:problem:"
+_LOCATIONS = {"body", "query", "path", "header", "cookie"}
+
+
+class ProblemError(Exception):
+    """Raised by services; rendered as problem+json by the handler below."""
+
+    status = 400
+    title = "Bad Request"
+    slug: str | None = None
+
+    def __init__(
+        self,
+        detail: str,
+        *,
+        errors: Sequence[FieldError] | None = None,
+        headers: dict[str, str] | None = None,
+        **extensions: Any,
+    ) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.errors = list(errors) if errors is not None else None
+        self.headers = headers
+        self.extensions = extensions
+
+
+class NotFoundError(ProblemError):
+    status, title, slug = 404, "Not Found", "not-found"
+
+
+class ConflictError(ProblemError):
+    status, title, slug = 409, "Conflict", "conflict"
+
+
+class InvalidInputError(ProblemError):
+    status, title, slug = 422, "Unprocessable Content", "validation-error"
+
+
+class UnavailableError(ProblemError):
+    status, title, slug = 503, "Service Unavailable", "unavailable"
+
+
+def format_path(loc: Iterable[str | int]) -> str:
+    """("collection", "trajectories", 3, 1) -> "collection.trajectories[3][1]"."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def field_errors(
+    errors: Iterable[dict[str, Any]], default_location: str = "body"
+) -> list[FieldError]:
+    result = []
+    for err in errors:
+        loc = list(err.get("loc", ()))
+        location = default_location
+        if loc and loc[0] in _LOCATIONS:
+            location = loc.pop(0)
+        result.append(
+            FieldError(
+                location=location,
+                path=format_path(loc),
+                message=str(err.get("msg", "invalid")),
+                type=str(err.get("type", "invalid")),
+            )
+        )
+    return result
+
+
+def problem_response(
+    status: int,
+    title: str,
+    detail: str | None = None,
+    *,
+    request: Request | None = None,
+    slug: str | None = None,
+    errors: Sequence[FieldError] | None = None,
+    headers: dict[str, str] | None = None,
+    **extensions: Any,
+) -> JSONResponse:
+    body = Problem(
+        type=PROBLEM_TYPE + slug if slug else "about:blank",
+        title=title,
+        status=status,
+        detail=detail,
+        instance=request.url.path if request is not None else None,
+        errors=list(errors) if errors is not None else None,
+        **extensions,
+    )
+    return JSONResponse(
+        body.model_dump(mode="json", exclude_none=True),
+        status_code=status,
+        media_type=PROBLEM_JSON,
+        headers=headers,
+    )
+
+
+def _is_sqlite_busy(exc: DBAPIError) -> bool:
+    return "database is locked" in str(exc.orig) or "database is busy" in str(exc.orig)
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(ProblemError)
+    async def _problem(request: Request, exc: ProblemError) -> JSONResponse:
+        return problem_response(
+            exc.status,
+            exc.title,
+            exc.detail,
+            request=request,
+            slug=exc.slug,
+            errors=exc.errors,
+            headers=exc.headers,
+            **exc.extensions,
+        )
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = field_errors(exc.errors())
+        return problem_response(
+            HTTP_422_UNPROCESSABLE_CONTENT,
+            "Unprocessable Content",
+            f"{len(errors)} invalid field(s) in the request",
+            request=request,
+            slug="validation-error",
+            errors=errors,
+        )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        title = _reason(exc.status_code)
+        detail = exc.detail if exc.detail and exc.detail != title else None
+        if exc.status_code == 404 and detail is None:
+            detail = f"No route matches {request.method} {request.url.path}"
+        return problem_response(
+            exc.status_code, title, detail, request=request, headers=getattr(exc, "headers", None)
+        )
+
+    @app.exception_handler(IntegrityError)
+    async def _integrity(request: Request, exc: IntegrityError) -> JSONResponse:
+        log.info("integrity error on %s: %s", request.url.path, exc.orig)
+        return problem_response(
+            409,
+            "Conflict",
+            "The request conflicts with existing data",
+            request=request,
+            slug="conflict",
+        )
+
+    @app.exception_handler(OperationalError)
+    @app.exception_handler(InterfaceError)
+    async def _database(request: Request, exc: DBAPIError) -> JSONResponse:
+        detail = "The database is busy" if _is_sqlite_busy(exc) else "The database is unavailable"
+        log.warning("database error on %s: %s", request.url.path, exc.orig)
+        return problem_response(
+            503,
+            "Service Unavailable",
+            detail,
+            request=request,
+            slug="database-unavailable",
+            headers={"Retry-After": "1"},
+        )
+
+    @app.exception_handler(OSError)
+    async def _os_error(request: Request, exc: OSError) -> JSONResponse:
+        # Connection refused / reset on the way to the database or a backend.
+        log.warning("I/O error on %s: %r", request.url.path, exc)
+        return problem_response(
+            503,
+            "Service Unavailable",
+            "A dependency is unreachable",
+            request=request,
+            slug="unavailable",
+            headers={"Retry-After": "1"},
+        )
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return problem_response(500, "Internal Server Error", None, request=request)
+
+
+def _reason(status: int) -> str:
+    from http import HTTPStatus
+
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "Error"
+
+
+class BodyLimit:
+    """413 problem+json for bodies over the limit, before they are parsed whole.
+
+    A declared Content-Length over the limit is refused before a byte is read; a body
+    without one (chunked) is counted as it arrives and refused once it passes the limit.
+    """
+
+    def __init__(self, app: Any, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    def _detail(self, size: int | None = None) -> str:
+        got = f"The body has {size} bytes; " if size is not None else "The body is too large; "
+        return got + f"the limit is {self.max_body_bytes}"
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_body_bytes:
+                response = problem_response(
+                    413, "Content Too Large", self._detail(int(value)), slug="body-too-large"
+                )
+                await response(scope, receive, send)
+                return
+        received = 0
+
+        async def counted() -> Any:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    raise StarletteHTTPException(413, self._detail())
+            return message
+
+        await self.app(scope, counted, send)

@@ -1,0 +1,89 @@
+"""Prometheus metrics: HTTP traffic (middleware) and job counts (read at scrape time)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from starlette.requests import Request
+from starlette.responses import Response
+
+from app.db import utcnow
+from app.models import JobRow, JobStatus
+
+
+class Metrics:
+    """One registry per app, so several apps (tests) never share counters."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "trainyard_http_requests_total",
+            "HTTP requests",
+            ["method", "route", "status"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "trainyard_http_request_duration_seconds",
+            "HTTP request latency",
+            ["method", "route"],
+            registry=self.registry,
+        )
+        self.jobs = Gauge(
+            "trainyard_jobs", "Jobs by status", ["kind", "status"], registry=self.registry
+        )
+        self.queue_depth = Gauge(
+            "trainyard_queue_depth",
+            "Queued jobs that are eligible to run now",
+            registry=self.registry,
+        )
+
+    async def middleware(
+        self, request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        start = time.perf_counter()
+        status = 500
+        try:
+            response = await call_next(request)
+            status = response.status_code
+            return response
+        finally:
+            route = _route_template(request)
+            self.requests.labels(request.method, route, str(status)).inc()
+            self.latency.labels(request.method, route).observe(time.perf_counter() - start)
+
+    async def render(self, sessions: async_sessionmaker[AsyncSession]) -> tuple[bytes, str]:
+        async with sessions() as session:
+            counts = (
+                await session.execute(
+                    select(JobRow.kind, JobRow.status, func.count()).group_by(
+                        JobRow.kind, JobRow.status
+                    )
+                )
+            ).all()
+            depth = await session.scalar(
+                select(func.count()).where(
+                    JobRow.status == JobStatus.queued.value, JobRow.not_before <= utcnow()
+                )
+            )
+        seen = {(kind, status): n for kind, status, n in counts}
+        for kind in {k for k, _ in seen} | {"training"}:
+            for status in JobStatus:
+                self.jobs.labels(kind, status.value).set(seen.get((kind, status.value), 0))
+        self.queue_depth.set(depth or 0)
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def _route_template(request: Request) -> str:
+    # Label by route template, not raw path, so job ids do not explode the label set.
+    return getattr(request.scope.get("route"), "path", "unmatched")

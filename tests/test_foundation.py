@@ -1,0 +1,197 @@
+"""Health, errors, auth, limits, metrics and the OpenAPI document, over real HTTP."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+
+from app.main import create_app
+from app.settings import Settings
+from tests.factories import model_body
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+async def test_healthz_is_plain_and_open(serve) -> None:
+    async with serve(api_keys="secret") as live:
+        response = await live.client.get("/healthz")
+    assert response.status_code == 200
+    assert response.json() == {"status": "ok"}
+
+
+async def test_readyz_names_every_check_when_ready(serve) -> None:
+    async with serve(worker_enabled=True) as live:
+        response = await live.client.get("/readyz")
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["status"] == "ready"
+    assert set(body["checks"]) == {"database", "worker", "backends"}
+    assert "head 0001" in body["checks"]["database"]["detail"]
+
+
+async def test_readyz_is_503_naming_the_database_when_it_is_unreachable(serve, tmp_path) -> None:
+    live = serve()
+    async with live:
+        # Point the running app at a Postgres port where nothing listens.
+        from app.db import create_engine
+
+        good = live.app.state.engine
+        live.app.state.engine = create_engine(
+            f"postgresql+asyncpg://postgres@127.0.0.1:{closed_port()}/test"
+        )
+        try:
+            response = await live.client.get("/readyz")
+        finally:
+            await live.app.state.engine.dispose()
+            live.app.state.engine = good
+    assert response.status_code == 503
+    assert response.headers["content-type"] == "application/problem+json"
+    body = response.json()
+    assert body["checks"]["database"]["ok"] is False
+    assert "database" in body["detail"]
+    assert body["checks"]["backends"]["ok"] is True
+
+
+async def test_readyz_reports_a_schema_behind_head(serve) -> None:
+    async with serve() as live:
+        from app.migrate import migrate
+
+        await migrate(live.app.state.engine, "base", downgrade=True)
+        response = await live.client.get("/readyz")
+    assert response.status_code == 503
+    assert "schema at None" in response.json()["checks"]["database"]["detail"]
+
+
+async def test_readyz_names_an_unreachable_backend(serve, tmp_path) -> None:
+    from app.backends.dry_run import DryRunBackend
+
+    class Unreachable(DryRunBackend):
+        async def healthcheck(self) -> None:
+            raise ConnectionError("trainer at 10.0.0.9:7999 refused the connection")
+
+    async with serve(backend_overrides={"dry-run": Unreachable(tmp_path / "x")}) as live:
+        live.app.state.backends.get("dry-run")
+        response = await live.client.get("/readyz")
+    assert response.status_code == 503
+    assert "refused" in response.json()["checks"]["backends"]["detail"]
+
+
+async def test_unknown_route_is_problem_json(live) -> None:
+    response = await live.client.get("/v1/nothing-here")
+    assert response.status_code == 404
+    assert response.headers["content-type"] == "application/problem+json"
+    assert response.json()["title"] == "Not Found"
+    assert response.json()["instance"] == "/v1/nothing-here"
+
+
+async def test_wrong_method_is_problem_json(live) -> None:
+    response = await live.client.delete("/v1/models")
+    assert response.status_code == 405
+    assert response.headers["content-type"] == "application/problem+json"
+
+
+async def test_validation_errors_list_each_field_path(live) -> None:
+    body = model_body()
+    body.update(name="bad name!", base_model="")
+    response = await live.client.post("/v1/models", json=body)
+    assert response.status_code == 422
+    assert response.headers["content-type"] == "application/problem+json"
+    paths = {(e["location"], e["path"]) for e in response.json()["errors"]}
+    assert paths == {("body", "name"), ("body", "base_model")}
+
+
+async def test_malformed_json_is_a_422_problem(live) -> None:
+    response = await live.client.post(
+        "/v1/models", content=b'{"name": ', headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 422
+    assert response.json()["errors"][0]["type"] == "json_invalid"
+
+
+async def test_api_keys_guard_the_api_but_not_health(serve) -> None:
+    async with serve(api_keys="k1, k2") as live:
+        missing = await live.client.get("/v1/models")
+        wrong = await live.client.get("/v1/models", headers={"Authorization": "Bearer nope"})
+        right = await live.client.get("/v1/models", headers={"Authorization": "Bearer k2"})
+        metrics = await live.client.get("/metrics")
+    assert missing.status_code == wrong.status_code == 401
+    assert missing.headers["content-type"] == "application/problem+json"
+    assert missing.headers["www-authenticate"] == "Bearer"
+    assert right.status_code == 200
+    assert metrics.status_code == 200
+
+
+async def test_body_over_the_limit_is_413_problem(serve) -> None:
+    async with serve(max_body_bytes=4096) as live:
+        big = model_body()
+        big["config"] = {"seconds_per_step": 0, "pad": "x" * 10_000}
+        response = await live.client.post("/v1/models", json=big)
+        listed = await live.client.get("/v1/models")
+    assert response.status_code == 413
+    assert response.headers["content-type"] == "application/problem+json"
+    assert listed.json()["data"] == []
+
+
+async def test_body_over_the_limit_without_content_length_is_413(serve) -> None:
+    async with serve(max_body_bytes=4096) as live:
+
+        async def chunks():
+            for _ in range(10):
+                yield b"x" * 1000
+
+        response = await live.client.post(
+            "/v1/models", content=chunks(), headers={"content-type": "application/json"}
+        )
+    assert response.status_code == 413
+
+
+async def test_metrics_count_requests_by_route_and_jobs_by_status(live) -> None:
+    await live.client.get("/v1/models/none")
+    response = await live.client.get("/metrics")
+    text = response.text
+    assert response.status_code == 200
+    assert (
+        'trainyard_http_requests_total{method="GET",route="/v1/models/{name}",status="404"} 1.0'
+        in text
+    )
+    assert 'trainyard_jobs{kind="training",status="queued"} 0.0' in text
+    assert "trainyard_queue_depth 0.0" in text
+
+
+def test_openapi_json_is_current(tmp_path) -> None:
+    settings = Settings(database_url=f"sqlite+aiosqlite:///{tmp_path}/x.db")
+    current = create_app(settings).openapi()
+    committed = json.loads((ROOT / "openapi.json").read_text())
+    assert committed == current, "openapi.json is stale: run `make openapi`"
+
+
+def test_openapi_documents_problem_errors_and_stable_ids(tmp_path) -> None:
+    schema = create_app(Settings(database_url=f"sqlite+aiosqlite:///{tmp_path}/x.db")).openapi()
+    ids = [op["operationId"] for path in schema["paths"].values() for op in path.values()]
+    assert len(ids) == len(set(ids))
+    assert "training_jobs-create" in ids
+    assert "HTTPValidationError" not in schema["components"]["schemas"]
+    for path, item in schema["paths"].items():
+        for method, op in item.items():
+            assert len(op["tags"]) == 1, (path, method)
+            for status, response in op["responses"].items():
+                if status.startswith(("4", "5")):
+                    assert "application/problem+json" in response["content"], (path, status)
+            if path.startswith("/v1/"):
+                assert "401" in op["responses"], (path, method)
+
+
+@pytest.mark.parametrize("value", ["", "a,b"])
+def test_api_keys_setting_parses_comma_lists(value: str) -> None:
+    assert [k.get_secret_value() for k in Settings(api_keys=value).api_keys] == [
+        k for k in value.split(",") if k
+    ]
