@@ -1,0 +1,82 @@
+"""Trainable models and the backends they can run on."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Response
+from pydantic import BaseModel, Field
+
+from app.api.deps import Session
+from app.backends import SPECS
+from app.schemas.common import Page, problem_responses
+from app.schemas.models import Model, ModelCreate
+from app.services import models as service
+
+router = APIRouter(prefix="/v1/models", tags=["models"], responses=problem_responses(401))
+backends_router = APIRouter(
+    prefix="/v1/backends", tags=["backends"], responses=problem_responses(401)
+)
+
+
+@router.post(
+    "",
+    response_model=Model,
+    status_code=201,
+    summary="Register a trainable model",
+    responses={
+        200: {"model": Model, "description": "An identical model already exists"},
+        **problem_responses(409, 422),
+    },
+)
+async def create(body: ModelCreate, session: Session, response: Response) -> Model:
+    model, created = await service.create_model(session, body=body)
+    await session.commit()
+    response.status_code = 201 if created else 200
+    response.headers["Location"] = f"/v1/models/{model.name}"
+    return model
+
+
+@router.get(
+    "",
+    response_model=Page[Model],
+    name="list",
+    summary="List models",
+    responses=problem_responses(422),
+)
+async def list_all(
+    session: Session,
+    after: Annotated[str | None, Query(description="`next_cursor` of the previous page")] = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+) -> Page[Model]:
+    models, has_more = await service.list_models(session, after=after, limit=limit)
+    return Page(
+        data=models, has_more=has_more, next_cursor=models[-1].name if has_more and models else None
+    )
+
+
+@router.get(
+    "/{name}", response_model=Model, summary="Get a model", responses=problem_responses(404)
+)
+async def get(name: str, session: Session) -> Model:
+    return await service.get_model(session, name=name)
+
+
+class Backend(BaseModel):
+    name: str
+    description: str
+    hyperparameters: dict[str, Any] = Field(description="JSON Schema of the accepted keywords.")
+    config: dict[str, Any] = Field(description="JSON Schema of a model's `config`.")
+
+
+@backends_router.get("", name="list", response_model=list[Backend], summary="List trainer backends")
+async def list_backends() -> list[Backend]:
+    return [
+        Backend(
+            name=s.name,
+            description=s.description,
+            hyperparameters=s.hyperparameters.model_json_schema(),
+            config=s.config.model_json_schema(),
+        )
+        for s in SPECS.values()
+    ]

@@ -1,0 +1,188 @@
+"""Training jobs: submit trajectories, watch progress and events, cancel."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Header, Query, Request, Response
+from fastapi.sse import EventSourceResponse, ServerSentEvent
+
+from app.api.deps import Session
+from app.errors import InvalidInputError, field_errors
+from app.models import JobStatus
+from app.schemas.common import Page, problem_responses
+from app.schemas.jobs import JobEvent, TrainingJob, TrainingJobCreate
+from app.services import events as event_service
+from app.services import jobs as service
+
+router = APIRouter(
+    prefix="/v1/training-jobs", tags=["training_jobs"], responses=problem_responses(401)
+)
+
+IdempotencyKey = Annotated[
+    str | None,
+    Header(
+        alias="Idempotency-Key",
+        max_length=255,
+        description="Retrying with the same key and body returns the original job.",
+    ),
+]
+
+
+@router.post(
+    "",
+    response_model=TrainingJob,
+    status_code=202,
+    summary="Submit trajectories for one training step",
+    responses=problem_responses(404, 409, 413, 422),
+)
+async def create(
+    body: TrainingJobCreate,
+    request: Request,
+    response: Response,
+    session: Session,
+    idempotency_key: IdempotencyKey = None,
+) -> TrainingJob:
+    job, replayed = await service.create_training_job(
+        session,
+        body=body,
+        raw=await request.body(),
+        idempotency_key=idempotency_key,
+        max_attempts=request.app.state.settings.max_attempts,
+    )
+    await session.commit()
+    if not replayed:
+        request.app.state.notifier.jobs_changed()
+        request.app.state.notifier.events_appended(job.id)
+    else:
+        response.headers["Idempotent-Replayed"] = "true"
+    response.headers["Location"] = f"/v1/training-jobs/{job.id}"
+    return service.to_wire(job)
+
+
+@router.get(
+    "",
+    response_model=Page[TrainingJob],
+    name="list",
+    summary="List training jobs, newest first",
+    responses=problem_responses(422),
+)
+async def list_all(
+    session: Session,
+    status: Annotated[JobStatus | None, Query(description="Only jobs in this status.")] = None,
+    model: Annotated[str | None, Query(description="Only jobs of this model.")] = None,
+    after: Annotated[str | None, Query(description="`next_cursor` of the previous page")] = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+) -> Page[TrainingJob]:
+    jobs, has_more = await service.list_jobs(
+        session, status=status, model=model, after=after, limit=limit
+    )
+    return Page(
+        data=[service.to_wire(j) for j in jobs],
+        has_more=has_more,
+        next_cursor=jobs[-1].id if has_more and jobs else None,
+    )
+
+
+@router.get(
+    "/{job_id}",
+    response_model=TrainingJob,
+    summary="Get a training job",
+    responses=problem_responses(404),
+)
+async def get(job_id: str, session: Session) -> TrainingJob:
+    return service.to_wire(await service.get_job(session, job_id))
+
+
+@router.post(
+    "/{job_id}/cancel",
+    response_model=TrainingJob,
+    summary="Cancel a job (queued: at once; running: its worker interrupts it)",
+    responses=problem_responses(404, 409),
+)
+async def cancel(job_id: str, request: Request, session: Session) -> TrainingJob:
+    job = await service.cancel_job(session, job_id)
+    await session.commit()
+    request.app.state.notifier.events_appended(job.id)
+    return service.to_wire(job)
+
+
+@router.get(
+    "/{job_id}/events",
+    response_model=Page[JobEvent],
+    summary="List a job's events",
+    responses=problem_responses(404, 422),
+)
+async def events(
+    job_id: str,
+    session: Session,
+    after: Annotated[int, Query(ge=0, description="Return events with seq > after.")] = 0,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> Page[JobEvent]:
+    await service.get_job(session, job_id)
+    items, has_more = await event_service.list_events(session, job_id, after=after, limit=limit)
+    return Page(
+        data=items,
+        has_more=has_more,
+        next_cursor=str(items[-1].seq) if has_more and items else None,
+    )
+
+
+def _last_event_id(value: str | None) -> int:
+    if value is None or value == "":
+        return 0
+    if not value.isdigit():
+        raise InvalidInputError(
+            "Last-Event-ID must be an event seq",
+            errors=field_errors(
+                [
+                    {
+                        "loc": ("header", "last-event-id"),
+                        "msg": "not an integer",
+                        "type": "int_parsing",
+                    }
+                ]
+            ),
+        )
+    return int(value)
+
+
+async def _stream_cursor(
+    job_id: str,
+    request: Request,
+    last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
+    after: Annotated[int | None, Query(ge=0, description="Start after this seq.")] = None,
+) -> int:
+    # Runs before the stream starts, so a bad job id is still a plain 404. Its own short
+    # session: a request-scoped one would stay open for the whole stream.
+    async with request.app.state.sessions() as session:
+        await service.get_job(session, job_id)
+    return after if after is not None else _last_event_id(last_event_id)
+
+
+@router.get(
+    "/{job_id}/events/stream",
+    response_class=EventSourceResponse,
+    summary="Stream a job's events (Server-Sent Events); resumes after Last-Event-ID",
+    responses=problem_responses(404, 422),
+)
+async def stream(
+    job_id: str, request: Request, cursor: Annotated[int, Depends(_stream_cursor)]
+) -> AsyncIterator[ServerSentEvent]:
+    sessions = request.app.state.sessions
+    notifier = request.app.state.notifier
+    while True:
+        # A short session per poll: nothing stays open while the stream waits.
+        async with sessions() as session:
+            items, _ = await event_service.list_events(session, job_id, after=cursor, limit=500)
+            job = await service.get_job(session, job_id)
+        for item in items:
+            cursor = item.seq
+            yield ServerSentEvent(
+                id=str(item.seq), event=item.type, data=item.model_dump(mode="json")
+            )
+        if JobStatus(job.status).is_final and cursor >= job.last_event_seq:
+            return
+        if not items:
+            await notifier.wait_for_events(job_id, timeout=2.0)

@@ -1,0 +1,175 @@
+"""One adapter that drives any object satisfying ART's `art.Backend` Protocol."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import art
+import httpx
+from pydantic import BaseModel
+
+log = logging.getLogger(__name__)
+
+ProgressCallback = Callable[[int, int | None, dict[str, float]], None]
+"""Called with (gradient steps done, total gradient steps or None, that step's metrics)."""
+
+_progress: contextvars.ContextVar[_ProgressState | None] = contextvars.ContextVar(
+    "trainyard_progress", default=None
+)
+# ART puts the number of gradient steps of the current training step in every sample.
+TOTAL_KEY = "data/step_num_gradient_steps"
+
+
+@dataclass
+class _ProgressState:
+    callback: ProgressCallback
+    done: int = 0
+
+
+def report_gradient_step(metrics: dict[str, float]) -> None:
+    """Backends call this once per gradient step; a no-op outside `TrainerAdapter.train`."""
+    state = _progress.get()
+    if state is None:
+        return
+    state.done += 1
+    total = metrics.get(TOTAL_KEY)
+    state.callback(state.done, int(total) if total is not None else None, metrics)
+
+
+@contextmanager
+def progress_reporting(callback: ProgressCallback | None) -> Iterator[None]:
+    token = _progress.set(_ProgressState(callback) if callback else None)
+    try:
+        yield
+    finally:
+        _progress.reset(token)
+
+
+class BackendError(Exception):
+    """A trainer backend failed; `transient` says whether retrying may help."""
+
+    def __init__(self, message: str, *, transient: bool) -> None:
+        super().__init__(message)
+        self.transient = transient
+
+
+# Errors that say "the backend is not reachable right now", not "your data is bad".
+_TRANSIENT = (ConnectionError, TimeoutError, asyncio.TimeoutError, httpx.TransportError, OSError)
+
+
+def classify(exc: BaseException) -> BackendError:
+    if isinstance(exc, BackendError):
+        return exc
+    return BackendError(f"{type(exc).__name__}: {exc}", transient=isinstance(exc, _TRANSIENT))
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the adapter needs to know of a registered model (taken from its row)."""
+
+    name: str
+    project: str
+    base_model: str
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TrainOutcome:
+    step: int
+    metrics: dict[str, float]
+    checkpoint_path: str | None
+    trained: bool  # False when the backend advanced the step without training (ART's skip path)
+
+
+@dataclass(frozen=True)
+class Inference:
+    base_url: str | None
+    model_name: str
+    step: int
+
+
+class TrainerAdapter:
+    """Register, read steps, train and serve through one `art.Backend`."""
+
+    def __init__(
+        self,
+        name: str,
+        backend: art.Backend,
+        *,
+        hyperparameters: type[BaseModel],
+        model_factory: Callable[[ModelSpec], art.TrainableModel],
+    ) -> None:
+        self.name = name
+        self.backend = backend
+        self.hyperparameters = hyperparameters
+        self._model_factory = model_factory
+        self._models: dict[str, art.TrainableModel] = {}
+        self._lock = asyncio.Lock()
+
+    async def model(self, spec: ModelSpec) -> art.TrainableModel:
+        """The registered `art.TrainableModel`; registers it with the backend once."""
+        async with self._lock:
+            model = self._models.get(spec.name)
+            if model is None:
+                model = self._model_factory(spec)
+                try:
+                    await model.register(self.backend)
+                except Exception as exc:
+                    raise classify(exc) from exc
+                self._models[spec.name] = model
+            return model
+
+    async def get_step(self, spec: ModelSpec) -> int:
+        model = await self.model(spec)
+        try:
+            return await self.backend._get_step(model)
+        except Exception as exc:
+            raise classify(exc) from exc
+
+    async def inference(self, spec: ModelSpec) -> Inference:
+        model = await self.model(spec)
+        step = await self.get_step(spec)
+        return Inference(
+            base_url=model.inference_base_url or None,
+            model_name=self.backend._model_inference_name(model, step),
+            step=step,
+        )
+
+    async def train(
+        self,
+        spec: ModelSpec,
+        groups: list[art.TrajectoryGroup],
+        hyperparameters: dict[str, Any],
+        on_progress: ProgressCallback | None = None,
+    ) -> TrainOutcome:
+        model = await self.model(spec)
+        kwargs = self.hyperparameters.model_validate(hyperparameters).model_dump(exclude_unset=True)
+        try:
+            with progress_reporting(on_progress):
+                result = await self.backend.train(model, groups, **kwargs)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            raise classify(exc) from exc
+        metrics = {k: v for k, v in (result.metrics or {}).items() if isinstance(v, int | float)}
+        return TrainOutcome(
+            step=result.step,
+            metrics=metrics,
+            checkpoint_path=getattr(result, "checkpoint_path", None),
+            trained=metrics.get(TOTAL_KEY, 1) != 0,
+        )
+
+    async def health(self) -> None:
+        """Raise if the backend is unreachable; backends may offer an async `healthcheck()`."""
+        check = getattr(self.backend, "healthcheck", None)
+        if check is not None:
+            await check()
+
+    async def close(self) -> None:
+        await self.backend.close()

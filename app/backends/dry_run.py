@@ -1,0 +1,124 @@
+"""`dry-run`: an `art.Backend` that checks and counts what it is given but trains nothing.
+
+It keeps steps on disk exactly like ART's LocalBackend (`{path}/{project}/models/{name}/
+checkpoints/{step:04d}/`), so a step advanced before a crash is still there after it, and
+each checkpoint holds a manifest of the groups that produced it. Use it to wire up an agent
+service, to exercise workers and recovery, and to benchmark the queue without a GPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from collections.abc import AsyncIterator, Iterable
+from pathlib import Path
+from typing import Any
+
+import art
+from openai.types.chat.chat_completion import Choice
+from pydantic import BaseModel, Field
+
+from app.backends.base import TOTAL_KEY, report_gradient_step
+
+
+class DryRunConfig(BaseModel):
+    """Model config of the dry-run backend."""
+
+    seconds_per_step: float = Field(
+        default=0.0, ge=0, le=3600, description="Simulated time of one gradient step."
+    )
+    fail_with: str | None = Field(
+        default=None, description="Fail every training call with this ValueError message."
+    )
+
+
+def _trainable(group: art.TrajectoryGroup) -> bool:
+    # ART's rule: advantages are zero unless a group has two trajectories and two rewards.
+    return len(group.trajectories) > 1 and len({t.reward for t in group.trajectories}) > 1
+
+
+def _choice_tokens(trajectory: art.Trajectory) -> int:
+    tokens = 0
+    for item in trajectory.messages_and_choices:
+        if isinstance(item, Choice) and item.logprobs and item.logprobs.content:
+            tokens += len(item.logprobs.content)
+    return tokens
+
+
+class DryRunBackend:
+    """Satisfies `art.Backend` (0.5.18) structurally, as ART's own backends do in 0.5.23."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+
+    def _dir(self, model: art.Model) -> Path:
+        return self.path / model.project / "models" / model.name / "checkpoints"
+
+    def _step_on_disk(self, model: art.Model) -> int:
+        steps = [int(p.name) for p in self._dir(model).glob("[0-9]*") if p.name.isdigit()]
+        return max(steps, default=0)
+
+    def _config(self, model: art.Model) -> DryRunConfig:
+        config = model.config
+        return config if isinstance(config, DryRunConfig) else DryRunConfig()
+
+    def _model_inference_name(self, model: art.Model, step: int | None = None) -> str:
+        return f"{model.name}@{self._step_on_disk(model) if step is None else step}"
+
+    async def close(self) -> None:
+        return None
+
+    async def register(self, model: art.Model) -> None:
+        (self._dir(model) / "0000").mkdir(parents=True, exist_ok=True)
+
+    async def _get_step(self, model: art.TrainableModel) -> int:
+        return self._step_on_disk(model)
+
+    async def _delete_checkpoint_files(
+        self, model: art.TrainableModel, steps_to_keep: list[int]
+    ) -> None:
+        for path in self._dir(model).glob("[0-9]*"):
+            if path.name.isdigit() and int(path.name) not in steps_to_keep:
+                shutil.rmtree(path, ignore_errors=True)
+
+    async def _prepare_backend_for_training(
+        self, model: art.TrainableModel, config: Any = None
+    ) -> tuple[str, str]:
+        # Nothing is served: a dry run has no weights to sample from.
+        return "", ""
+
+    async def train(
+        self,
+        model: art.TrainableModel,
+        trajectory_groups: Iterable[art.TrajectoryGroup],
+        **kwargs: Any,
+    ) -> art.TrainResult:
+        config = self._config(model)
+        if config.fail_with:
+            raise ValueError(config.fail_with)
+        groups = list(trajectory_groups)
+        trainable = [g for g in groups if _trainable(g)]
+        total = len(trainable)
+        metrics: dict[str, float] = {
+            "data/step_num_groups_submitted": len(groups),
+            "data/step_num_groups_trainable": total,
+            "data/step_num_trajectories": sum(len(g.trajectories) for g in groups),
+            "data/step_trainer_tokens": sum(_choice_tokens(t) for g in trainable for t in g),
+            TOTAL_KEY: total,
+        }
+        for index in range(total):
+            await asyncio.sleep(config.seconds_per_step)
+            report_gradient_step({TOTAL_KEY: total, "loss/train": 0.0, "step": index + 1})
+        step = self._step_on_disk(model) + 1
+        checkpoint = self._dir(model) / f"{step:04d}"
+        checkpoint.mkdir(parents=True)
+        manifest = {"metrics": metrics, "hyperparameters": kwargs}
+        (checkpoint / "manifest.json").write_text(json.dumps(manifest, sort_keys=True))
+        return art.types.LocalTrainResult(
+            step=step, metrics=metrics, checkpoint_path=str(checkpoint)
+        )
+
+    async def _train_sft(self, *args: Any, **kwargs: Any) -> AsyncIterator[dict[str, float]]:
+        raise NotImplementedError("the dry-run backend does not do SFT")
+        yield {}

@@ -1,0 +1,61 @@
+"""Wire types of trainable models."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+
+
+class ModelCreate(BaseModel):
+    """A trainable model to register on a trainer backend."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {
+                    "name": "agent-7b",
+                    "project": "support-bot",
+                    "base_model": "Qwen/Qwen2.5-7B-Instruct",
+                    "backend": "art-local",
+                    "config": {"init_args": {"max_seq_length": 8192}},
+                }
+            ]
+        },
+    )
+
+    name: str = Field(
+        pattern=NAME_PATTERN, description="Unique model name; ART serves it as `name@step`."
+    )
+    project: str = Field(default="default", pattern=NAME_PATTERN, description="ART project name.")
+    base_model: str = Field(
+        min_length=1, max_length=512, description="Base model id or local path."
+    )
+    backend: str = Field(description="Trainer backend name (see `GET /v1/backends`).")
+    config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Backend configuration (see `GET /v1/backends` for its schema).",
+    )
+
+
+class Model(BaseModel):
+    """A registered trainable model."""
+
+    name: str
+    project: str
+    base_model: str
+    backend: str
+    config: dict[str, Any]
+    current_step: int = Field(description="Latest trained step the backend reported.")
+    inference_base_url: str | None = Field(
+        description="OpenAI-compatible endpoint serving the model, once the backend serves it."
+    )
+    inference_model_name: str | None = Field(
+        description="Model name to request there (`name@step`)."
+    )
+    created_at: datetime
+    updated_at: datetime

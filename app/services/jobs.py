@@ -1,0 +1,248 @@
+"""Training jobs: accept, read, list, cancel. Workers take it from there (app.worker)."""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import time
+from typing import Any
+
+import art
+import zstandard
+from pydantic import ValidationError
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from app import notify
+from app.backends import SPECS
+from app.db import begin_write, utcnow
+from app.errors import ConflictError, InvalidInputError, NotFoundError, field_errors
+from app.models import JobKind, JobRow, JobStatus, ModelRow
+from app.schemas.jobs import JobError, JobProgress, JobResult, TrainingJob, TrainingJobCreate
+from app.schemas.trajectories import TrajectorySummary
+from app.services.events import append_event
+from app.trajectories import (
+    check_collection,
+    check_groups,
+    collection_to_art,
+    groups_to_art,
+    summarize_collection,
+    summarize_groups,
+)
+
+PAYLOAD_FORMAT = "training-job-create+json;zstd"
+# Level 1: several hundred MB/s; JSON trajectories still shrink 5-10x.
+_compressor = zstandard.ZstdCompressor(level=1)
+
+
+def new_job_id() -> str:
+    """Time-ordered ids, so listing newest-first is an index scan on the primary key."""
+    return f"job_{time.time_ns() // 1000:014x}{secrets.token_hex(5)}"
+
+
+def _invalid(detail: str, errors: list[dict[str, Any]]) -> InvalidInputError:
+    return InvalidInputError(detail, errors=field_errors(errors))
+
+
+def _validate_hyperparameters(backend: str, hyperparameters: dict[str, Any]) -> dict[str, Any]:
+    try:
+        parsed = SPECS[backend].hyperparameters.model_validate(hyperparameters)
+    except ValidationError as exc:
+        errors = [{**e, "loc": ("hyperparameters", *e["loc"])} for e in exc.errors()]
+        raise _invalid(f"hyperparameters not accepted by backend {backend!r}", errors) from exc
+    return parsed.model_dump(mode="json", exclude_unset=True)
+
+
+def _check_trajectories(body: TrainingJobCreate) -> TrajectorySummary:
+    opt_out = body.hyperparameters.get("allow_training_without_logprobs") is True
+    require_logprobs = not opt_out
+    if body.collection is not None:
+        prefix: tuple[str, ...] = ("collection",)
+        issues = check_collection(body.collection, require_logprobs=require_logprobs)
+    else:
+        assert body.groups is not None
+        prefix = ("groups",)
+        issues = check_groups(body.groups, require_logprobs=require_logprobs)
+    if issues:
+        errors = [{"loc": (*prefix, *i.loc), "msg": i.msg, "type": i.type} for i in issues]
+        raise _invalid(f"{len(issues)} trajectory problem(s); nothing was stored", errors)
+    if body.collection is not None:
+        return summarize_collection(body.collection)
+    assert body.groups is not None
+    return summarize_groups(body.groups)
+
+
+async def create_training_job(
+    session: AsyncSession,
+    *,
+    body: TrainingJobCreate,
+    raw: bytes,
+    idempotency_key: str | None,
+    max_attempts: int,
+) -> tuple[JobRow, bool]:
+    """Validate and store a job with its payload and first event. Returns (job, replayed)."""
+    # The CPU-heavy part runs before the first query, so no transaction waits on it.
+    summary = _check_trajectories(body)
+    payload = _compressor.compress(raw)
+    request_hash = hashlib.sha256(raw).hexdigest()
+    await begin_write(session)
+    if idempotency_key is not None:
+        replay = await _replay(session, idempotency_key, request_hash)
+        if replay is not None:
+            return replay, True
+    model = await session.get(ModelRow, body.model)
+    if model is None:
+        raise _invalid(
+            f"no model named {body.model!r}",
+            [
+                {
+                    "loc": ("model",),
+                    "msg": "no such model; create it with POST /v1/models",
+                    "type": "unknown_model",
+                }
+            ],
+        )
+    hyperparameters = _validate_hyperparameters(model.backend, body.hyperparameters)
+    job = JobRow(
+        id=new_job_id(),
+        kind=JobKind.training.value,
+        model_name=model.name,
+        status=JobStatus.queued.value,
+        payload=payload,
+        payload_format=PAYLOAD_FORMAT,
+        payload_bytes=len(raw),
+        hyperparameters=hyperparameters,
+        meta=body.metadata,
+        summary=summary.model_dump(),
+        idempotency_key=idempotency_key,
+        request_hash=request_hash,
+        attempts=0,
+        max_attempts=max_attempts,
+        not_before=utcnow(),
+    )
+    session.add(job)
+    try:
+        await session.flush()
+    except IntegrityError as exc:
+        # Another request with the same key won the race; the client should retry.
+        raise ConflictError("a request with this Idempotency-Key is in progress") from exc
+    await append_event(session, job.id, "job_queued", {"summary": job.summary})
+    await notify.send(session, notify.JOBS_CHANNEL, job.id)
+    return job, False
+
+
+async def _replay(session: AsyncSession, key: str, request_hash: str) -> JobRow | None:
+    job = await session.scalar(select(JobRow).where(JobRow.idempotency_key == key))
+    if job is None:
+        return None
+    if job.request_hash != request_hash:
+        raise _invalid(
+            "this Idempotency-Key was used with a different request body",
+            [
+                {
+                    "loc": ("header", "idempotency-key"),
+                    "msg": "key reused with another body",
+                    "type": "idempotency_key_reused",
+                }
+            ],
+        )
+    return job
+
+
+def load_groups(job: JobRow) -> list[art.TrajectoryGroup]:
+    """Rebuild the ART objects of a stored job (in the worker, off the request path)."""
+    raw = zstandard.ZstdDecompressor().decompress(job.payload, max_output_size=job.payload_bytes)
+    body = TrainingJobCreate.model_validate_json(raw)
+    if body.collection is not None:
+        return collection_to_art(body.collection)
+    assert body.groups is not None
+    return groups_to_art(body.groups)
+
+
+async def get_job(session: AsyncSession, job_id: str, *, for_update: bool = False) -> JobRow:
+    query = select(JobRow).where(JobRow.id == job_id, JobRow.kind == JobKind.training.value)
+    if for_update:
+        query = query.with_for_update()
+    job = await session.scalar(query)
+    if job is None:
+        raise NotFoundError(f"no training job {job_id!r}")
+    return job
+
+
+async def list_jobs(
+    session: AsyncSession,
+    *,
+    status: JobStatus | None,
+    model: str | None,
+    after: str | None,
+    limit: int,
+) -> tuple[list[JobRow], bool]:
+    query = (
+        select(JobRow)
+        .where(JobRow.kind == JobKind.training.value)
+        .order_by(JobRow.id.desc())
+        .limit(limit + 1)
+    )
+    if status is not None:
+        query = query.where(JobRow.status == status.value)
+    if model is not None:
+        query = query.where(JobRow.model_name == model)
+    if after:
+        query = query.where(JobRow.id < after)
+    rows = (await session.scalars(query)).all()
+    return list(rows[:limit]), len(rows) > limit
+
+
+async def cancel_job(session: AsyncSession, job_id: str) -> JobRow:
+    """Queued: cancelled now. Running: flagged; its worker interrupts it. Finished: 409."""
+    await begin_write(session)
+    job = await get_job(session, job_id, for_update=True)
+    status = JobStatus(job.status)
+    if status.is_final:
+        raise ConflictError(f"job {job_id} already {status.value}; it cannot be cancelled")
+    if status is JobStatus.queued:
+        job.status = JobStatus.cancelled.value
+        job.finished_at = utcnow()
+        await session.flush()
+        await append_event(session, job.id, "job_cancelled", {"while": "queued"})
+    elif not job.cancel_requested:
+        job.cancel_requested = True
+        await session.flush()
+        await append_event(session, job.id, "cancel_requested", {})
+    return job
+
+
+def to_wire(job: JobRow) -> TrainingJob:
+    total = job.progress_total
+    percent = None
+    if total:
+        percent = round(100.0 * job.progress_step / total, 2)
+    elif total == 0:
+        percent = 100.0
+    result = None
+    if job.status == JobStatus.succeeded.value:
+        result = JobResult(
+            start_step=job.start_step,
+            final_step=job.final_step,
+            checkpoint_path=job.checkpoint_path,
+            metrics=job.metrics,
+            recovered=job.recovered,
+        )
+    return TrainingJob(
+        id=job.id,
+        model=job.model_name,
+        status=JobStatus(job.status),
+        summary=TrajectorySummary.model_validate(job.summary),
+        hyperparameters=job.hyperparameters,
+        metadata=job.meta,
+        progress=JobProgress(step=job.progress_step, total=total, percent=percent),
+        result=result,
+        error=JobError.model_validate(job.error) if job.error else None,
+        attempts=job.attempts,
+        max_attempts=job.max_attempts,
+        cancel_requested=job.cancel_requested,
+        created_at=job.created_at,
+        started_at=job.started_at,
+        finished_at=job.finished_at,
+    )

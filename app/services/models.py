@@ -1,0 +1,91 @@
+"""Trainable models: register, read, list."""
+
+from __future__ import annotations
+
+from pydantic import ValidationError
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from app.backends import SPECS
+from app.db import begin_write
+from app.errors import ConflictError, InvalidInputError, NotFoundError, field_errors
+from app.models import ModelRow
+from app.schemas.models import Model, ModelCreate
+
+
+def to_wire(row: ModelRow) -> Model:
+    return Model(
+        name=row.name,
+        project=row.project,
+        base_model=row.base_model,
+        backend=row.backend,
+        config=row.config,
+        current_step=row.current_step,
+        inference_base_url=row.inference_base_url,
+        inference_model_name=row.inference_model_name,
+        created_at=row.created_at,
+        updated_at=row.updated_at,
+    )
+
+
+def _check_backend(body: ModelCreate) -> dict:
+    spec = SPECS.get(body.backend)
+    if spec is None:
+        raise InvalidInputError(
+            f"unknown backend {body.backend!r}; known: {', '.join(sorted(SPECS))}",
+            errors=field_errors(
+                [{"loc": ("backend",), "msg": "unknown backend", "type": "unknown_backend"}]
+            ),
+        )
+    try:
+        return spec.config.model_validate(body.config).model_dump(exclude_unset=True)
+    except ValidationError as exc:
+        errors = [{**e, "loc": ("config", *e["loc"])} for e in exc.errors()]
+        raise InvalidInputError(
+            f"invalid config for backend {body.backend!r}", errors=field_errors(errors)
+        ) from exc
+
+
+async def create_model(session: AsyncSession, *, body: ModelCreate) -> tuple[Model, bool]:
+    """Returns (model, created). The same definition again is a no-op; a different one 409."""
+    config = _check_backend(body)
+    await begin_write(session)
+    existing = await session.get(ModelRow, body.name)
+    if existing is not None:
+        same = (existing.project, existing.base_model, existing.backend, existing.config) == (
+            body.project,
+            body.base_model,
+            body.backend,
+            config,
+        )
+        if not same:
+            raise ConflictError(f"a different model named {body.name!r} exists")
+        return to_wire(existing), False
+    row = ModelRow(
+        name=body.name,
+        project=body.project,
+        base_model=body.base_model,
+        backend=body.backend,
+        config=config,
+        current_step=0,
+    )
+    session.add(row)
+    await session.flush()
+    return to_wire(row), True
+
+
+async def get_model(session: AsyncSession, *, name: str) -> Model:
+    row = await session.get(ModelRow, name)
+    if row is None:
+        raise NotFoundError(f"no model named {name!r}")
+    return to_wire(row)
+
+
+async def list_models(
+    session: AsyncSession, *, after: str | None, limit: int
+) -> tuple[list[Model], bool]:
+    query = select(ModelRow).order_by(ModelRow.name).limit(limit + 1)
+    if after:
+        query = query.where(ModelRow.name > after)
+    rows = (await session.scalars(query)).all()
+    return [to_wire(r) for r in rows[:limit]], len(rows) > limit
