@@ -1,0 +1,249 @@
+"""The worker loop: claim jobs, run them, recover jobs whose worker died, shut down cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import secrets
+import socket
+from datetime import datetime
+
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from app.backends import Backends
+from app.backends.base import BackendError, ModelSpec
+from app.db import transaction, utcnow
+from app.models import JobRow, JobStatus, ModelRow
+from app.notify import Notifier
+from app.settings import Settings
+from app.worker import queue
+from app.worker.queue import Lease
+from app.worker.training import run_training
+
+log = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        sessions: async_sessionmaker[AsyncSession],
+        backends: Backends,
+        notifier: Notifier,
+    ) -> None:
+        self.settings = settings
+        self.sessions = sessions
+        self.backends = backends
+        self.notifier = notifier
+        self.hostname = socket.gethostname()
+        self.id = f"{self.hostname}:{os.getpid()}:{secrets.token_hex(3)}"
+        self.tasks: dict[str, tuple[Lease, asyncio.Task[None]]] = {}
+        self.last_heartbeat: float | None = None  # loop time of the last worker heartbeat
+        self._stopping = asyncio.Event()
+        self._loop_task: asyncio.Task[None] | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Announce this worker, then run its loop in the background."""
+        await self._beat()
+        self._loop_task = asyncio.create_task(self.run(), name=f"worker:{self.id}")
+
+    async def _beat(self) -> None:
+        await queue.beat_worker(
+            self.sessions, worker_id=self.id, hostname=self.hostname, pid=os.getpid()
+        )
+        self.last_heartbeat = asyncio.get_running_loop().time()
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_recovery = 0.0
+        next_beat = 0.0
+        while not self._stopping.is_set():
+            try:
+                if loop.time() >= next_beat:
+                    await self._beat()
+                    next_beat = loop.time() + self.settings.heartbeat_seconds
+                if loop.time() >= next_recovery:
+                    await self.recover_expired()
+                    next_recovery = loop.time() + self.settings.lease_seconds / 3
+                await self.fill()
+            except Exception:  # the database may be restarting; keep the loop alive
+                log.exception("worker %s: loop iteration failed; retrying", self.id)
+                await asyncio.sleep(min(1.0, self.settings.poll_seconds))
+                continue
+            # Idle: sleep until a wake-up, with jitter so many workers do not poll in step.
+            timeout = self.settings.poll_seconds * random.uniform(0.8, 1.2)
+            timeout = min(timeout, max(0.05, next_beat - loop.time()))
+            await self.notifier.wait_for_jobs(timeout)
+
+    async def fill(self) -> int:
+        """Claim and start jobs until this worker is full or nothing is eligible."""
+        started = 0
+        while len(self.tasks) < self.settings.worker_concurrency and not self._stopping.is_set():
+            lease = await queue.claim(
+                self.sessions, owner=self.id, lease_seconds=self.settings.lease_seconds
+            )
+            if lease is None:
+                break
+            task = asyncio.create_task(self._process(lease), name=f"job:{lease.job_id}")
+            self.tasks[lease.job_id] = (lease, task)
+            started += 1
+        return started
+
+    async def _process(self, lease: Lease) -> None:
+        try:
+            await self.process(lease)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            # The lease expires and recovery decides; nothing accepted is lost.
+            log.exception("job %s: processing failed", lease.job_id)
+        finally:
+            self.tasks.pop(lease.job_id, None)
+            self.notifier.jobs_changed()  # a slot is free; the model may have more jobs
+
+    async def process(self, lease: Lease) -> None:
+        await run_training(
+            lease, sessions=self.sessions, backends=self.backends, settings=self.settings
+        )
+
+    async def stop(self, grace: float = 10.0) -> None:
+        """Stop claiming, let running jobs finish for `grace` seconds, then release them."""
+        self._stopping.set()
+        self.notifier.jobs_changed()
+        if self._loop_task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+        running = [task for _, task in self.tasks.values()]
+        if running:
+            await asyncio.wait(running, timeout=grace)
+        for lease, task in list(self.tasks.values()):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+            with contextlib.suppress(Exception):
+                await self.release(lease)
+        with contextlib.suppress(Exception):
+            await queue.beat_worker(
+                self.sessions,
+                worker_id=self.id,
+                hostname=self.hostname,
+                pid=os.getpid(),
+                stopped=True,
+            )
+
+    # -- recovery --------------------------------------------------------------------------
+
+    async def _model_step(self, model_name: str) -> int:
+        async with transaction(self.sessions) as session:
+            model = await session.get(ModelRow, model_name)
+            assert model is not None
+            spec = ModelSpec(model.name, model.project, model.base_model, model.config)
+            backend = model.backend
+        return await self.backends.get(backend).get_step(spec)
+
+    async def settle(
+        self,
+        lease: Lease,
+        *,
+        start_step: int | None,
+        cancel_requested: bool,
+        max_attempts: int,
+        reason: dict[str, object],
+        expired_before: datetime | None = None,
+    ) -> str:
+        """Decide the fate of a job whose worker is gone: counted once, retried or failed."""
+        step = await self._model_step(lease.model_name)
+        if start_step is not None and step > start_step:
+            # The step happened before the worker died: count it, never train it again.
+            done = await queue.finish(
+                self.sessions,
+                lease,
+                status=JobStatus.succeeded,
+                event="training_ended",
+                data={"start_step": start_step, "final_step": step, "recovered": True},
+                model_update={"current_step": step},
+                final_step=step,
+                recovered=True,
+                error=None,
+                expired_before=expired_before,
+            )
+            return "recovered" if done else "skipped"
+        if cancel_requested:
+            done = await queue.finish(
+                self.sessions,
+                lease,
+                status=JobStatus.cancelled,
+                event="job_cancelled",
+                data={"while": "recovering"},
+                expired_before=expired_before,
+            )
+            return "cancelled" if done else "skipped"
+        done = await queue.retry_or_fail(
+            self.sessions,
+            lease,
+            error={**reason, "transient": True},
+            max_attempts=max_attempts,
+            retry_base_seconds=self.settings.retry_base_seconds,
+            expired_before=expired_before,
+        )
+        return "retried" if done else "skipped"
+
+    async def recover_expired(self) -> dict[str, str]:
+        now = utcnow()
+        outcomes: dict[str, str] = {}
+        for expired in await queue.expired_leases(self.sessions, now=now):
+            try:
+                outcomes[expired.lease.job_id] = await self.settle(
+                    expired.lease,
+                    start_step=expired.start_step,
+                    cancel_requested=expired.cancel_requested,
+                    max_attempts=expired.max_attempts,
+                    reason={
+                        "type": "LeaseExpired",
+                        "message": f"worker {expired.lease.owner} stopped renewing its lease",
+                    },
+                    expired_before=now,
+                )
+            except BackendError as exc:
+                log.warning(
+                    "job %s: cannot read the model's step yet: %s", expired.lease.job_id, exc
+                )
+        return outcomes
+
+    async def release(self, lease: Lease) -> None:
+        """Hand a job back at shutdown so another worker can take it at once."""
+        async with transaction(self.sessions) as session:
+            job = await session.get(JobRow, lease.job_id)
+            if job is None or job.lease_token != lease.token:
+                return
+            start_step, cancel, max_attempts = (
+                job.start_step,
+                job.cancel_requested,
+                job.max_attempts,
+            )
+        step = await self._model_step(lease.model_name)
+        if (start_step is not None and step > start_step) or cancel:
+            await self.settle(
+                lease,
+                start_step=start_step,
+                cancel_requested=cancel,
+                max_attempts=max_attempts,
+                reason={},
+            )
+            return
+        await queue.finish(
+            self.sessions,
+            lease,
+            status=JobStatus.queued,
+            event="job_released",
+            data={"worker": self.id},
+            lease_owner=None,
+            not_before=utcnow(),
+            attempts=JobRow.attempts - 1,
+        )

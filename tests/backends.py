@@ -1,0 +1,74 @@
+"""Backends for tests. They stand where a GPU would, and satisfy the same `art.Backend`
+Protocol with the same data: the dry-run backend, recording what it was handed."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import art
+import httpx
+
+from app.backends.dry_run import DryRunBackend
+
+FINAL = {"succeeded", "failed", "cancelled"}
+
+
+class RecordingBackend(DryRunBackend):
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.calls: list[tuple[str, list[art.TrajectoryGroup], dict[str, Any]]] = []
+        self.started = asyncio.Event()
+
+    async def train(
+        self,
+        model: art.TrainableModel,
+        trajectory_groups: Iterable[art.TrajectoryGroup],
+        **kwargs: Any,
+    ) -> art.TrainResult:
+        groups = list(trajectory_groups)
+        self.calls.append((model.name, groups, kwargs))
+        self.started.set()
+        return await super().train(model, groups, **kwargs)
+
+
+class FlakyBackend(DryRunBackend):
+    """Refuses connections for its first `failures` training calls, like a restarting server."""
+
+    def __init__(self, path: Path, failures: int) -> None:
+        super().__init__(path)
+        self.failures = failures
+        self.attempts = 0
+
+    async def train(self, model: Any, trajectory_groups: Any, **kwargs: Any) -> art.TrainResult:
+        self.attempts += 1
+        if self.attempts <= self.failures:
+            raise ConnectionRefusedError(111, "Connection refused")
+        return await super().train(model, trajectory_groups, **kwargs)
+
+
+async def wait_final(client: httpx.AsyncClient, job_id: str, timeout: float = 20) -> dict:
+    """Poll a job until it is final (bounded)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        job = (await client.get(f"/v1/training-jobs/{job_id}")).json()
+        if job["status"] in FINAL:
+            return job
+        assert loop.time() < deadline, f"job {job_id} still {job['status']}"
+        await asyncio.sleep(0.05)
+
+
+async def wait_status(
+    client: httpx.AsyncClient, job_id: str, status: str, timeout: float = 20
+) -> dict:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        job = (await client.get(f"/v1/training-jobs/{job_id}")).json()
+        if job["status"] == status:
+            return job
+        assert loop.time() < deadline, f"job {job_id} is {job['status']}, not {status}"
+        await asyncio.sleep(0.05)
