@@ -16,14 +16,15 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.db import WRITE
 
-ROOT = Path(__file__).resolve().parent.parent
+# Shipped inside the package, so an installed wheel can migrate without the source tree.
+SCRIPT_LOCATION = Path(__file__).resolve().parent / "migrations"
 # Any constant works; it only has to be the same for every replica of the service.
 ADVISORY_LOCK_KEY = 0x7472_6169_6E79  # "trainy"
 
 
 def alembic_config() -> Config:
-    config = Config(str(ROOT / "alembic.ini"))
-    config.set_main_option("script_location", str(ROOT / "migrations"))
+    config = Config()
+    config.set_main_option("script_location", str(SCRIPT_LOCATION))
     return config
 
 

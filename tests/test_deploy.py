@@ -17,7 +17,9 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 import tomllib
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -560,7 +562,7 @@ def test_copy_sources_exist_and_are_in_the_build_context(path: Path) -> None:
 @pytest.mark.parametrize("path", DOCKERFILES)
 def test_images_copy_what_the_package_needs(path: Path) -> None:
     sources = {posixpath.normpath(s).lstrip("/") for s in copy_sources(parse_dockerfile(path))}
-    required = {"pyproject.toml", "app", "migrations", "alembic.ini"}
+    required = {"pyproject.toml", "app"}
     readme = pyproject()["project"].get("readme")
     if isinstance(readme, str):
         required.add(readme)  # setuptools reads it while building the wheel
@@ -595,37 +597,34 @@ def test_image_runtime_contract(path: Path) -> None:
     assert params.get("host") == "0.0.0.0" and int(params["port"]) == API_PORT
 
 
-@pytest.mark.parametrize("path", DOCKERFILES)
-def test_image_layout_lets_the_app_find_its_migrations(path: Path) -> None:
-    """app.migrate locates alembic.ini and migrations/ relative to the `app` package, so the
-    package the image imports must sit next to them (a site-packages copy would not)."""
+def test_the_built_wheel_carries_its_migrations(tmp_path: Path) -> None:
+    """Images install the package from a wheel; `trainyard migrate` must work from it."""
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        check=True,
+    )
+    (wheel,) = tmp_path.glob("trainyard-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
     from app import migrate
 
-    if not hasattr(migrate, "alembic_config"):
-        pytest.skip("app.migrate.alembic_config is gone; update this check")
-    package = Path(migrate.__file__).resolve().parent  # app/
-    config = migrate.alembic_config()
-    needed = [Path(str(config.config_file_name)), Path(config.get_main_option("script_location"))]
-
-    final = parse_dockerfile(path).final
-    layout = image_layout(final)
-    pythonpath = [d for d in env_of(final).get("PYTHONPATH", "").split(":") if d]
-    image_package = next(
-        (posixpath.join(d, "app") for d in pythonpath if image_source(layout, d + "/app") == "app"),
-        None,
-    )
-    assert image_package, (
-        f"{path.name}: `app` is imported from site-packages, where {[n.name for n in needed]} "
-        "are missing; copy app/ next to them and put that directory on PYTHONPATH"
-    )
-    for repo_path in needed:
-        in_image = posixpath.normpath(
-            posixpath.join(image_package, os.path.relpath(repo_path, package))
-        )
-        expected = repo_path.resolve().relative_to(ROOT).as_posix()
-        assert image_source(layout, in_image) == expected, (
-            f"{path.name}: the app looks for {expected} at {in_image}, which the image lacks"
-        )
+    revisions = {
+        f"app/migrations/versions/{p.name}"
+        for p in (migrate.SCRIPT_LOCATION / "versions").glob("*.py")
+    }
+    assert revisions, "no migration revisions found"
+    needed = {"app/migrations/env.py", "app/migrations/script.py.mako", *revisions}
+    assert needed <= names, f"the wheel lacks {sorted(needed - names)}"
 
 
 def python_version_satisfies_project(version: str) -> None:

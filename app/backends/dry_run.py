@@ -28,6 +28,13 @@ class DryRunConfig(BaseModel):
     seconds_per_step: float = Field(
         default=0.0, ge=0, le=3600, description="Simulated time of one gradient step."
     )
+    seconds_after_step: float = Field(
+        default=0.0,
+        ge=0,
+        le=3600,
+        description="Simulated delay between a step's checkpoint landing and `train` "
+        "returning, like a trainer whose reply is slow to arrive.",
+    )
     fail_with: str | None = Field(
         default=None, description="Fail every training call with this ValueError message."
     )
@@ -115,6 +122,7 @@ class DryRunBackend:
         checkpoint.mkdir(parents=True)
         manifest = {"metrics": metrics, "hyperparameters": kwargs}
         (checkpoint / "manifest.json").write_text(json.dumps(manifest, sort_keys=True))
+        await asyncio.sleep(config.seconds_after_step)
         return art.types.LocalTrainResult(
             step=step, metrics=metrics, checkpoint_path=str(checkpoint)
         )

@@ -206,10 +206,13 @@ async def retry_or_fail(
     max_attempts: int,
     retry_base_seconds: float,
     expired_before: datetime | None = None,
-) -> bool:
-    """Queue the job again after a backoff, or fail it once its attempts are spent."""
+) -> JobStatus | None:
+    """Queue the job again after a backoff, or fail it once its attempts are spent.
+
+    Returns the status written, or None when the lease was lost.
+    """
     if lease.attempt >= max_attempts:
-        return await finish(
+        failed = await finish(
             sessions,
             lease,
             status=JobStatus.failed,
@@ -218,8 +221,9 @@ async def retry_or_fail(
             error=error,
             expired_before=expired_before,
         )
+        return JobStatus.failed if failed else None
     delay = backoff_seconds(lease.attempt, retry_base_seconds)
-    return await finish(
+    queued = await finish(
         sessions,
         lease,
         status=JobStatus.queued,
@@ -230,6 +234,7 @@ async def retry_or_fail(
         lease_owner=None,
         expired_before=expired_before,
     )
+    return JobStatus.queued if queued else None
 
 
 @dataclass(frozen=True)

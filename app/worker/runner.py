@@ -184,7 +184,7 @@ class Worker:
                 expired_before=expired_before,
             )
             return "cancelled" if done else "skipped"
-        done = await queue.retry_or_fail(
+        status = await queue.retry_or_fail(
             self.sessions,
             lease,
             error={**reason, "transient": True},
@@ -192,7 +192,7 @@ class Worker:
             retry_base_seconds=self.settings.retry_base_seconds,
             expired_before=expired_before,
         )
-        return "retried" if done else "skipped"
+        return {JobStatus.queued: "retried", JobStatus.failed: "failed", None: "skipped"}[status]
 
     async def recover_expired(self) -> dict[str, str]:
         now = utcnow()

@@ -1,0 +1,279 @@
+"""Claim, process and recovery, called directly: no loops, no sleeps, a real database."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import select, update
+from sqlalchemy.exc import IntegrityError
+
+from app.backends import Backends
+from app.db import create_engine, create_sessionmaker, transaction, utcnow
+from app.migrate import migrate
+from app.models import JobEventRow, JobRow, JobStatus
+from app.notify import Notifier
+from app.schemas.jobs import TrainingJobCreate
+from app.schemas.models import ModelCreate
+from app.services.jobs import create_training_job
+from app.services.models import create_model
+from app.worker import queue
+from app.worker.runner import Worker
+from tests import factories as f
+from tests.backends import FlakyBackend, RecordingBackend
+
+
+class Env:
+    def __init__(self, settings, sessions, backend) -> None:
+        self.settings = settings
+        self.sessions = sessions
+        self.backend = backend
+        self.worker = Worker(
+            settings=settings,
+            sessions=sessions,
+            backends=Backends(settings.data_dir, {"dry-run": backend}),
+            notifier=Notifier(),
+        )
+
+    async def model(self, name: str = "agent", **config) -> None:
+        async with self.sessions() as session:
+            await create_model(
+                session, body=ModelCreate.model_validate(f.model_body(name, **config))
+            )
+            await session.commit()
+
+    async def job(self, model: str = "agent", **body) -> str:
+        payload = {"model": model, "collection": f.nat_collection(), **body}
+        raw = json.dumps(payload).encode()
+        async with self.sessions() as session:
+            job, _ = await create_training_job(
+                session,
+                body=TrainingJobCreate.model_validate_json(raw),
+                raw=raw,
+                idempotency_key=None,
+                max_attempts=self.settings.max_attempts,
+            )
+            await session.commit()
+        return job.id
+
+    async def claim(self) -> queue.Lease | None:
+        return await queue.claim(self.sessions, owner="test", lease_seconds=30)
+
+    async def row(self, job_id: str) -> JobRow:
+        async with self.sessions() as session:
+            row = await session.get(JobRow, job_id)
+            assert row is not None
+            return row
+
+    async def events(self, job_id: str) -> list[str]:
+        async with self.sessions() as session:
+            rows = await session.scalars(
+                select(JobEventRow.type)
+                .where(JobEventRow.job_id == job_id)
+                .order_by(JobEventRow.seq)
+            )
+            return list(rows)
+
+    async def expire(self, job_id: str) -> None:
+        async with transaction(self.sessions) as session:
+            await session.execute(
+                update(JobRow)
+                .where(JobRow.id == job_id)
+                .values(lease_expires_at=utcnow() - timedelta(seconds=1))
+            )
+
+    async def make_eligible(self, job_id: str) -> None:
+        async with transaction(self.sessions) as session:
+            await session.execute(
+                update(JobRow).where(JobRow.id == job_id).values(not_before=utcnow())
+            )
+
+
+async def _env(make_settings, backend) -> AsyncIterator[Env]:
+    settings = make_settings(max_attempts=2)
+    engine = create_engine(settings.database_url)
+    await migrate(engine)
+    try:
+        yield Env(settings, create_sessionmaker(engine), backend)
+    finally:
+        await engine.dispose()
+
+
+@pytest.fixture
+async def env(make_settings, tmp_path) -> AsyncIterator[Env]:
+    async for e in _env(make_settings, RecordingBackend(tmp_path / "backend")):
+        yield e
+
+
+async def test_claims_oldest_first_and_one_running_job_per_model(env: Env) -> None:
+    await env.model("a")
+    await env.model("b")
+    a1, b1, a2 = await env.job("a"), await env.job("b"), await env.job("a")
+    first, second, third = await env.claim(), await env.claim(), await env.claim()
+    assert first is not None and second is not None
+    assert (first.job_id, second.job_id, third) == (a1, b1, None)
+    assert first.attempt == 1 and first.token != second.token
+    assert (await env.row(a2)).status == "queued"
+    assert await env.events(a1) == ["job_queued", "job_claimed"]
+
+
+async def test_claim_skips_jobs_not_yet_due_and_cancelled_ones(env: Env) -> None:
+    await env.model()
+    later, cancelled = await env.job(), await env.job()
+    async with transaction(env.sessions) as session:
+        await session.execute(
+            update(JobRow)
+            .where(JobRow.id == later)
+            .values(not_before=utcnow() + timedelta(minutes=5))
+        )
+        await session.execute(
+            update(JobRow).where(JobRow.id == cancelled).values(status=JobStatus.cancelled.value)
+        )
+    assert await env.claim() is None
+
+
+async def test_the_database_refuses_a_second_running_job_of_a_model(env: Env) -> None:
+    await env.model()
+    one, two = await env.job(), await env.job()
+    assert (await env.claim()).job_id == one
+    with pytest.raises(IntegrityError):
+        async with transaction(env.sessions) as session:
+            await session.execute(
+                update(JobRow).where(JobRow.id == two).values(status=JobStatus.running.value)
+            )
+
+
+async def test_process_trains_and_applies_the_result(env: Env) -> None:
+    await env.model()
+    job_id = await env.job(hyperparameters={"learning_rate": 2e-5})
+    lease = await env.claim()
+    await env.worker.process(lease)
+    row = await env.row(job_id)
+    assert row.status == "succeeded"
+    assert (row.start_step, row.final_step) == (0, 1)
+    assert row.lease_token is None
+    ((_, groups, kwargs),) = env.backend.calls
+    assert kwargs == {"learning_rate": 2e-5} and len(groups) == 2
+    assert await env.events(job_id) == [
+        "job_queued",
+        "job_claimed",
+        "training_started",
+        "gradient_step",
+        "gradient_step",
+        "training_ended",
+    ]
+
+
+async def test_a_stale_lease_writes_nothing(env: Env) -> None:
+    await env.model()
+    job_id = await env.job()
+    stale = await env.claim()
+    await env.expire(job_id)
+    assert await env.worker.recover_expired() == {job_id: "retried"}
+    await env.make_eligible(job_id)
+    fresh = await env.claim()
+    assert fresh is not None and fresh.attempt == 2
+    beat = await queue.heartbeat(env.sessions, stale, lease_seconds=30)
+    assert beat.alive is False
+    assert not await queue.finish(
+        env.sessions, stale, status=JobStatus.succeeded, event="training_ended", data={}
+    )
+    assert (await env.row(job_id)).status == "running"
+    await env.worker.process(fresh)
+    assert (await env.row(job_id)).status == "succeeded"
+
+
+async def test_expired_lease_after_the_step_counts_it_once(env: Env) -> None:
+    await env.model()
+    job_id = await env.job()
+    lease = await env.claim()
+    # The worker recorded its start, the backend finished the step, then the worker died.
+    spec_step = 0
+    assert await queue.record_start(env.sessions, lease, start_step=spec_step, data={})
+    adapter = env.worker.backends.get("dry-run")
+    from app.backends.base import ModelSpec
+
+    spec = ModelSpec("agent", "tests", "tiny/base", {})
+    await adapter.train(spec, [], {})
+    await env.expire(job_id)
+    assert await env.worker.recover_expired() == {job_id: "recovered"}
+    row = await env.row(job_id)
+    assert (row.status, row.recovered, row.final_step) == ("succeeded", True, 1)
+    assert await adapter.get_step(spec) == 1
+    assert len(env.backend.calls) == 1
+    assert await env.worker.recover_expired() == {}
+    assert await env.claim() is None
+
+
+async def test_expired_lease_before_the_step_is_retried_with_backoff(env: Env) -> None:
+    await env.model()
+    job_id = await env.job()
+    lease = await env.claim()
+    assert await queue.record_start(env.sessions, lease, start_step=0, data={})
+    await env.expire(job_id)
+    before = utcnow()
+    assert await env.worker.recover_expired() == {job_id: "retried"}
+    row = await env.row(job_id)
+    assert row.status == "queued" and row.not_before > before
+    assert row.error["type"] == "LeaseExpired" and row.error["transient"] is True
+    assert (await env.events(job_id))[-1] == "job_retrying"
+    assert env.backend.calls == []
+
+
+async def test_attempts_run_out_then_the_job_fails_with_the_last_error(env: Env) -> None:
+    await env.model()
+    job_id = await env.job()
+    for expected in ("retried", "failed"):
+        lease = await env.claim()
+        assert lease is not None
+        await env.expire(job_id)
+        outcome = await env.worker.recover_expired()
+        assert outcome == {job_id: expected}
+        await env.make_eligible(job_id)
+    row = await env.row(job_id)
+    assert row.status == "failed" and row.attempts == 2
+    assert row.error["type"] == "LeaseExpired"
+    assert (await env.events(job_id))[-1] == "training_failed"
+
+
+async def test_a_permanent_backend_error_fails_at_once(env: Env) -> None:
+    await env.model(fail_with="token ids exceed the vocabulary")
+    job_id = await env.job()
+    await env.worker.process(await env.claim())
+    row = await env.row(job_id)
+    assert row.status == "failed" and row.attempts == 1
+    assert row.error == {
+        "type": "ValueError",
+        "transient": False,
+        "message": "ValueError: token ids exceed the vocabulary",
+    }
+
+
+async def test_a_transient_backend_error_is_retried_then_succeeds(make_settings, tmp_path) -> None:
+    async for env in _env(make_settings, FlakyBackend(tmp_path / "flaky", failures=1)):
+        await env.model()
+        job_id = await env.job()
+        await env.worker.process(await env.claim())
+        row = await env.row(job_id)
+        assert row.status == "queued" and row.error["transient"] is True
+        assert "Connection refused" in row.error["message"]
+        await env.make_eligible(job_id)
+        await env.worker.process(await env.claim())
+        row = await env.row(job_id)
+        assert (row.status, row.attempts, row.final_step) == ("succeeded", 2, 1)
+
+
+async def test_shutdown_hands_running_jobs_back(env: Env) -> None:
+    await env.model(seconds_per_step=30)
+    job_id = await env.job()
+    await env.worker.start()
+    await env.worker.fill()
+    assert job_id in env.worker.tasks
+    await env.backend.started.wait()
+    await env.worker.stop(grace=0.05)
+    row = await env.row(job_id)
+    assert (row.status, row.attempts, row.lease_token) == ("queued", 0, None)
+    assert (await env.events(job_id))[-1] == "job_released"
+    assert await env.claim() is not None  # another worker takes it at once

@@ -1,0 +1,180 @@
+"""Real `trainyard worker` processes: killed mid-training, and side by side on Postgres."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import signal
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+from sqlalchemy import func, select
+
+from app.models import JobEventRow, JobRow
+from tests.test_worker import Env, _env
+
+pytestmark = pytest.mark.slow
+
+TRAINYARD = str(Path(sys.executable).parent / "trainyard")
+
+
+def start_worker(env: Env) -> subprocess.Popen:
+    settings = env.settings
+    environ = {
+        **os.environ,
+        "TRAINYARD_DATABASE_URL": settings.database_url,
+        "TRAINYARD_DATA_DIR": str(settings.data_dir),
+        "TRAINYARD_LEASE_SECONDS": "1.0",
+        "TRAINYARD_HEARTBEAT_SECONDS": "0.2",
+        "TRAINYARD_POLL_SECONDS": "0.2",
+        "TRAINYARD_RETRY_BASE_SECONDS": "0.05",
+        "TRAINYARD_LOG_LEVEL": "warning",
+    }
+    return subprocess.Popen([TRAINYARD, "worker"], env=environ)
+
+
+def stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+async def until(condition, timeout: float = 30.0, what: str = "condition"):
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not (result := await condition()):
+        assert loop.time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+    return result
+
+
+def checkpoints(env: Env, model: str) -> list[str]:
+    root = env.settings.data_dir / "dry-run" / "tests" / "models" / model / "checkpoints"
+    return sorted(p.name for p in root.iterdir()) if root.exists() else []
+
+
+@pytest.fixture
+async def plain_env(make_settings, tmp_path):
+    from app.backends.dry_run import DryRunBackend
+
+    # The test process only reads the backend's directory; the workers train.
+    async for env in _env(make_settings, DryRunBackend(tmp_path / "data" / "dry-run")):
+        yield env
+
+
+@pytest.mark.parametrize("round_", range(3))
+async def test_sigkill_mid_training_then_a_new_worker_finishes_it_once(plain_env, round_) -> None:
+    env = plain_env
+    # Even rounds: killed while the trainer works (not advanced: retried).
+    # Odd rounds: killed after the step landed but before the worker applied it (counted).
+    after_step = round_ % 2 == 1
+    model = f"agent{round_}"
+    await env.model(model, seconds_per_step=0.25, seconds_after_step=5.0 if after_step else 0)
+    job_id = await env.job(model, collection=f_collection())
+    first = start_worker(env)
+    try:
+        await until(lambda: _has_event(env, job_id, "training_started"), what="training start")
+        if after_step:
+            await until(
+                lambda: _async(checkpoints(env, model) == ["0000", "0001"]), what="the step to land"
+            )
+        else:
+            await asyncio.sleep(0.3)
+        first.send_signal(signal.SIGKILL)
+        first.wait(10)
+    finally:
+        stop(first)
+    second = start_worker(env)
+    try:
+        row = await until(lambda: _final(env, job_id), what="the job to finish")
+    finally:
+        stop(second)
+    assert row.status == "succeeded", row.error
+    assert checkpoints(env, model) == ["0000", "0001"]  # the step advanced exactly once
+    events = await env.events(job_id)
+    assert events.count("training_ended") == 1
+    assert row.final_step == 1
+    assert row.recovered is after_step
+    assert row.attempts == (1 if after_step else 2)
+
+
+def f_collection() -> dict:
+    from tests.factories import nat_collection
+
+    return nat_collection([[1.0, 0.0]] * 4)
+
+
+async def _async(value):
+    return value
+
+
+async def _has_event(env: Env, job_id: str, type_: str) -> bool:
+    return type_ in await env.events(job_id)
+
+
+async def _final(env: Env, job_id: str) -> JobRow | None:
+    row = await env.row(job_id)
+    return row if row.status in {"succeeded", "failed", "cancelled"} else None
+
+
+async def test_two_workers_on_postgres_share_a_burst_without_overlap(
+    plain_env, database_url
+) -> None:
+    if not database_url.startswith("postgresql"):
+        pytest.skip("many worker processes need Postgres; SQLite is one process")
+    env = plain_env
+    models = [f"m{i}" for i in range(4)]
+    for name in models:
+        await env.model(name, seconds_per_step=0.01)
+    workers = [start_worker(env), start_worker(env)]
+    try:
+        job_ids = [await env.job(models[i % 4]) for i in range(40)]
+
+        async def all_done() -> bool:
+            async with env.sessions() as session:
+                done = await session.scalar(
+                    select(func.count()).where(JobRow.status == "succeeded")
+                )
+            return done == len(job_ids)
+
+        await until(all_done, timeout=60, what="every job to succeed")
+    finally:
+        for worker in workers:
+            stop(worker)
+    async with env.sessions() as session:
+        rows = (
+            await session.execute(
+                select(
+                    JobEventRow.job_id,
+                    JobEventRow.type,
+                    JobEventRow.created_at,
+                    JobEventRow.data,
+                    JobRow.model_name,
+                )
+                .join(JobRow, JobRow.id == JobEventRow.job_id)
+                .order_by(JobEventRow.id)
+            )
+        ).all()
+    claims = defaultdict(list)
+    spans: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+    for job_id, type_, at, data, model in rows:
+        if type_ == "job_claimed":
+            claims[job_id].append(data["worker"])
+        if type_ in {"job_claimed", "training_ended"}:
+            spans[model][job_id].append(at)
+    assert all(len(owners) == 1 for owners in claims.values()), "a job was claimed twice"
+    assert len({owner for owners in claims.values() for owner in owners}) == 2
+    for model, jobs in spans.items():
+        intervals = sorted((start, end) for start, end in jobs.values())
+        for (_, end), (start, _) in itertools.pairwise(intervals):
+            assert end <= start, f"two running jobs of {model} overlapped"
+    for name in models:
+        assert checkpoints(env, name) == [f"{i:04d}" for i in range(11)]
