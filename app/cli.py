@@ -56,7 +56,7 @@ def worker() -> None:
 
 async def _run_worker() -> None:
     from app.backends import Backends
-    from app.db import create_engine, create_sessionmaker
+    from app.db import create_engine
     from app.migrate import migrate
     from app.notify import Notifier
     from app.worker.runner import Worker
@@ -70,7 +70,7 @@ async def _run_worker() -> None:
     backends = Backends(settings.data_dir)
     runner = Worker(
         settings=settings,
-        sessions=create_sessionmaker(engine),
+        engine=engine,
         backends=backends,
         notifier=notifier,
     )

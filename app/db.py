@@ -12,6 +12,7 @@ from sqlalchemy import JSON, DateTime, MetaData, event
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import Dialect, make_url
 from sqlalchemy.ext.asyncio import (
+    AsyncConnection,
     AsyncEngine,
     AsyncSession,
     async_sessionmaker,
@@ -109,6 +110,15 @@ def create_sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]
 async def begin_write(session: AsyncSession) -> None:
     """Start the session's transaction as a writing one (SQLite: BEGIN IMMEDIATE)."""
     await session.connection(execution_options=WRITE)
+
+
+@asynccontextmanager
+async def write_connection(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
+    """A writing transaction on a bare connection (no ORM): the workers' hot path."""
+    async with engine.connect() as conn:
+        conn = await conn.execution_options(**WRITE)
+        async with conn.begin():
+            yield conn
 
 
 @asynccontextmanager

@@ -59,7 +59,7 @@ def create_app(
         if settings.worker_enabled:
             app.state.worker = Worker(
                 settings=settings,
-                sessions=app.state.sessions,
+                engine=engine,
                 backends=app.state.backends,
                 notifier=app.state.notifier,
             )

@@ -16,7 +16,7 @@ from typing import Any
 import asyncpg
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 log = logging.getLogger(__name__)
 
@@ -24,10 +24,11 @@ JOBS_CHANNEL = "trainyard_jobs"
 EVENTS_CHANNEL = "trainyard_events"
 
 
-async def send(session: AsyncSession, channel: str, payload: str) -> None:
-    """Queue a cross-process notification, delivered when the session's transaction commits."""
-    if session.get_bind().dialect.name == "postgresql":
-        await session.execute(text("SELECT pg_notify(:c, :p)"), {"c": channel, "p": payload})
+async def send(executor: AsyncSession | AsyncConnection, channel: str, payload: str) -> None:
+    """Queue a cross-process notification, delivered when the transaction commits."""
+    bind = executor.get_bind() if isinstance(executor, AsyncSession) else executor
+    if bind.dialect.name == "postgresql":
+        await executor.execute(text("SELECT pg_notify(:c, :p)"), {"c": channel, "p": payload})
 
 
 class Notifier:

@@ -32,7 +32,7 @@ class Env:
         self.backend = backend
         self.worker = Worker(
             settings=settings,
-            sessions=sessions,
+            engine=sessions.kw["bind"],
             backends=Backends(settings.data_dir, {"dry-run": backend}),
             notifier=Notifier(),
         )
@@ -58,8 +58,12 @@ class Env:
             await session.commit()
         return job.id
 
-    async def claim(self) -> queue.Lease | None:
-        return await queue.claim(self.sessions, owner="test", lease_seconds=30)
+    @property
+    def engine(self):
+        return self.worker.engine
+
+    async def claim(self) -> queue.Claim | None:
+        return await queue.claim(self.engine, owner="test", lease_seconds=30)
 
     async def row(self, job_id: str) -> JobRow:
         async with self.sessions() as session:
@@ -113,8 +117,8 @@ async def test_claims_oldest_first_and_one_running_job_per_model(env: Env) -> No
     a1, b1, a2 = await env.job("a"), await env.job("b"), await env.job("a")
     first, second, third = await env.claim(), await env.claim(), await env.claim()
     assert first is not None and second is not None
-    assert (first.job_id, second.job_id, third) == (a1, b1, None)
-    assert first.attempt == 1 and first.token != second.token
+    assert (first.lease.job_id, second.lease.job_id, third) == (a1, b1, None)
+    assert first.lease.attempt == 1 and first.lease.token != second.lease.token
     assert (await env.row(a2)).status == "queued"
     assert await env.events(a1) == ["job_queued", "job_claimed"]
 
@@ -137,7 +141,7 @@ async def test_claim_skips_jobs_not_yet_due_and_cancelled_ones(env: Env) -> None
 async def test_the_database_refuses_a_second_running_job_of_a_model(env: Env) -> None:
     await env.model()
     one, two = await env.job(), await env.job()
-    assert (await env.claim()).job_id == one
+    assert (await env.claim()).lease.job_id == one
     with pytest.raises(IntegrityError):
         async with transaction(env.sessions) as session:
             await session.execute(
@@ -148,8 +152,8 @@ async def test_the_database_refuses_a_second_running_job_of_a_model(env: Env) ->
 async def test_process_trains_and_applies_the_result(env: Env) -> None:
     await env.model()
     job_id = await env.job(hyperparameters={"learning_rate": 2e-5})
-    lease = await env.claim()
-    await env.worker.process(lease)
+    claim = await env.claim()
+    await env.worker.process(claim)
     row = await env.row(job_id)
     assert row.status == "succeeded"
     assert (row.start_step, row.final_step) == (0, 1)
@@ -174,11 +178,11 @@ async def test_a_stale_lease_writes_nothing(env: Env) -> None:
     assert await env.worker.recover_expired() == {job_id: "retried"}
     await env.make_eligible(job_id)
     fresh = await env.claim()
-    assert fresh is not None and fresh.attempt == 2
-    beat = await queue.heartbeat(env.sessions, stale, lease_seconds=30)
+    assert fresh is not None and fresh.lease.attempt == 2
+    beat = await queue.heartbeat(env.engine, stale.lease, lease_seconds=30)
     assert beat.alive is False
     assert not await queue.finish(
-        env.sessions, stale, status=JobStatus.succeeded, event="training_ended", data={}
+        env.engine, stale.lease, status=JobStatus.succeeded, event="training_ended", data={}
     )
     assert (await env.row(job_id)).status == "running"
     await env.worker.process(fresh)
@@ -191,7 +195,7 @@ async def test_expired_lease_after_the_step_counts_it_once(env: Env) -> None:
     lease = await env.claim()
     # The worker recorded its start, the backend finished the step, then the worker died.
     spec_step = 0
-    assert await queue.record_start(env.sessions, lease, start_step=spec_step, data={})
+    assert await queue.record_start(env.engine, lease.lease, start_step=spec_step, data={})
     adapter = env.worker.backends.get("dry-run")
     from app.backends.base import ModelSpec
 
@@ -211,7 +215,7 @@ async def test_expired_lease_before_the_step_is_retried_with_backoff(env: Env) -
     await env.model()
     job_id = await env.job()
     lease = await env.claim()
-    assert await queue.record_start(env.sessions, lease, start_step=0, data={})
+    assert await queue.record_start(env.engine, lease.lease, start_step=0, data={})
     await env.expire(job_id)
     before = utcnow()
     assert await env.worker.recover_expired() == {job_id: "retried"}

@@ -1,33 +1,58 @@
-"""The append-only event log of a job."""
+"""The append-only event log of a job.
+
+A job row counts its events (`last_event_seq`); whoever appends advances that counter in
+the same statement that changes the job, and inserts the events with the numbers it got.
+The counter's row lock (Postgres) orders concurrent writers of one job's history.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import select, update
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy import insert, select, update
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from app import notify
+from app.db import utcnow
 from app.models import JobEventRow, JobRow
 from app.schemas.jobs import JobEvent
 
+Executor = AsyncConnection | AsyncSession
+Event = tuple[str, dict[str, Any]]
+
+
+async def add_events(
+    executor: Executor, job_id: str, last_seq: int, events: Sequence[Event]
+) -> None:
+    """Insert `events` as seqs `last_seq - len(events) + 1 .. last_seq`, and signal them."""
+    if not events:
+        return
+    now = utcnow()
+    first = last_seq - len(events) + 1
+    await executor.execute(
+        insert(JobEventRow),
+        [
+            {"job_id": job_id, "seq": first + i, "type": type_, "data": data, "created_at": now}
+            for i, (type_, data) in enumerate(events)
+        ],
+    )
+    await notify.send(executor, notify.EVENTS_CHANNEL, job_id)
+
 
 async def append_event(
-    session: AsyncSession, job_id: str, type: str, data: dict[str, Any] | None = None
+    executor: Executor, job_id: str, type: str, data: dict[str, Any] | None = None
 ) -> int:
-    """Add an event inside the caller's transaction; returns its per-job sequence number."""
-    # Incrementing the counter row-locks the job (Postgres), so concurrent writers of the
-    # same job's history queue up instead of colliding on (job_id, seq).
+    """Add one event inside the caller's transaction; returns its per-job sequence number."""
     seq = (
-        await session.execute(
+        await executor.execute(
             update(JobRow)
             .where(JobRow.id == job_id)
             .values(last_event_seq=JobRow.last_event_seq + 1)
             .returning(JobRow.last_event_seq)
         )
     ).scalar_one()
-    session.add(JobEventRow(job_id=job_id, seq=seq, type=type, data=data or {}))
-    await notify.send(session, notify.EVENTS_CHANNEL, job_id)
+    await add_events(executor, job_id, seq, [(type, data or {})])
     return seq
 
 

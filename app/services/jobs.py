@@ -150,9 +150,9 @@ async def _replay(session: AsyncSession, key: str, request_hash: str) -> JobRow 
     return job
 
 
-def load_groups(job: JobRow) -> list[art.TrajectoryGroup]:
+def load_groups(payload: bytes, payload_bytes: int) -> list[art.TrajectoryGroup]:
     """Rebuild the ART objects of a stored job (in the worker, off the request path)."""
-    raw = zstandard.ZstdDecompressor().decompress(job.payload, max_output_size=job.payload_bytes)
+    raw = zstandard.ZstdDecompressor().decompress(payload, max_output_size=payload_bytes)
     body = TrainingJobCreate.model_validate_json(raw)
     if body.collection is not None:
         return collection_to_art(body.collection)

@@ -1,25 +1,28 @@
 """Claiming, leases and guarded writes: the database side of the workers.
 
-Each function is one short transaction. A worker that lost its lease (another worker
-recovered the job) finds that every guarded write matches zero rows, and stops.
+Each function is one short transaction on a bare connection (this is the hot path). A
+worker that lost its lease (another worker recovered the job) finds that every guarded
+write matches zero rows, and stops.
 """
 
 from __future__ import annotations
 
 import random
 import secrets
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, select, update
+from sqlalchemy import and_, insert, select, update
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.orm import aliased
 
-from app.db import transaction, utcnow
+from app.backends.base import ModelSpec
+from app.db import utcnow, write_connection
 from app.models import JobRow, JobStatus, ModelRow, WorkerRow
-from app.services.events import append_event
+from app.services.events import Event, add_events
 
 RUNNING = JobStatus.running.value
 
@@ -34,24 +37,54 @@ class Lease:
     attempt: int
 
 
+@dataclass(frozen=True)
+class Claim:
+    """A claimed job with all a worker needs to run it, read in the claiming transaction."""
+
+    lease: Lease
+    model: ModelSpec
+    backend: str
+    payload: bytes
+    payload_bytes: int
+    hyperparameters: dict[str, Any] = field(default_factory=dict)
+    max_attempts: int = 1
+
+
 def _guard(lease: Lease) -> Any:
     return and_(JobRow.id == lease.job_id, JobRow.lease_token == lease.token)
 
 
 def backoff_seconds(attempt: int, base: float) -> float:
-    """Exponential backoff with full jitter: uniform in [base·2^(n-1)/2, base·2^(n-1)]."""
+    """Exponential backoff with jitter: uniform in [c/2, c] where c = base * 2^(attempt-1)."""
     ceiling = base * 2 ** max(attempt - 1, 0)
     return random.uniform(ceiling / 2, ceiling)
 
 
-async def claim(
-    sessions: async_sessionmaker[AsyncSession], *, owner: str, lease_seconds: float
-) -> Lease | None:
+async def _write(
+    conn: AsyncConnection, lease: Lease, guard: Any, values: dict[str, Any], events: Sequence[Event]
+) -> int | None:
+    """Guarded update of a job that also numbers its new events; None if nothing matched."""
+    seq = (
+        await conn.execute(
+            update(JobRow)
+            .where(guard)
+            .values(
+                **values, last_event_seq=JobRow.last_event_seq + len(events), updated_at=utcnow()
+            )
+            .returning(JobRow.last_event_seq)
+        )
+    ).scalar_one_or_none()
+    if seq is not None:
+        await add_events(conn, lease.job_id, seq, events)
+    return seq
+
+
+async def claim(engine: AsyncEngine, *, owner: str, lease_seconds: float) -> Claim | None:
     """Take the oldest eligible queued job, or None. Never two running jobs per model."""
     for _ in range(8):
         try:
-            async with transaction(sessions) as session:
-                return await _claim_once(session, owner=owner, lease_seconds=lease_seconds)
+            async with write_connection(engine) as conn:
+                return await _claim_once(conn, owner=owner, lease_seconds=lease_seconds)
         except IntegrityError:
             # Another worker started a job of the same model between our read and write
             # (the partial unique index refused ours); look again.
@@ -59,12 +92,21 @@ async def claim(
     return None
 
 
-async def _claim_once(session: AsyncSession, *, owner: str, lease_seconds: float) -> Lease | None:
+async def _claim_once(conn: AsyncConnection, *, owner: str, lease_seconds: float) -> Claim | None:
     now = utcnow()
     running = aliased(JobRow)
     busy_models = select(running.model_name).where(running.status == RUNNING)
     query = (
-        select(JobRow.id, JobRow.model_name, JobRow.kind)
+        select(
+            JobRow.id,
+            JobRow.model_name,
+            JobRow.kind,
+            ModelRow.project,
+            ModelRow.base_model,
+            ModelRow.backend,
+            ModelRow.config,
+        )
+        .join(ModelRow, ModelRow.name == JobRow.model_name)
         .where(
             JobRow.status == JobStatus.queued.value,
             JobRow.not_before <= now,
@@ -73,14 +115,14 @@ async def _claim_once(session: AsyncSession, *, owner: str, lease_seconds: float
         .order_by(JobRow.not_before, JobRow.id)
         .limit(1)
     )
-    if session.get_bind().dialect.name == "postgresql":
+    if conn.dialect.name == "postgresql":
         query = query.with_for_update(skip_locked=True, of=JobRow)
-    row = (await session.execute(query)).first()
+    row = (await conn.execute(query)).first()
     if row is None:
         return None
     token = secrets.token_hex(16)
-    attempt = (
-        await session.execute(
+    job = (
+        await conn.execute(
             update(JobRow)
             .where(JobRow.id == row.id, JobRow.status == JobStatus.queued.value)
             .values(
@@ -90,14 +132,38 @@ async def _claim_once(session: AsyncSession, *, owner: str, lease_seconds: float
                 lease_expires_at=now + timedelta(seconds=lease_seconds),
                 attempts=JobRow.attempts + 1,
                 started_at=now,
+                updated_at=now,
                 progress_step=0,
                 progress_total=None,
+                start_step=None,
+                last_event_seq=JobRow.last_event_seq + 1,
             )
-            .returning(JobRow.attempts)
+            .returning(
+                JobRow.attempts,
+                JobRow.last_event_seq,
+                JobRow.payload,
+                JobRow.payload_bytes,
+                JobRow.hyperparameters,
+                JobRow.max_attempts,
+            )
         )
-    ).scalar_one()
-    await append_event(session, row.id, "job_claimed", {"worker": owner, "attempt": attempt})
-    return Lease(row.id, token, owner, row.model_name, row.kind, attempt)
+    ).one()
+    lease = Lease(row.id, token, owner, row.model_name, row.kind, job.attempts)
+    await add_events(
+        conn,
+        row.id,
+        job.last_event_seq,
+        [("job_claimed", {"worker": owner, "attempt": job.attempts})],
+    )
+    return Claim(
+        lease=lease,
+        model=ModelSpec(row.model_name, row.project, row.base_model, row.config),
+        backend=row.backend,
+        payload=job.payload,
+        payload_bytes=job.payload_bytes,
+        hyperparameters=job.hyperparameters,
+        max_attempts=job.max_attempts,
+    )
 
 
 @dataclass(frozen=True)
@@ -107,65 +173,50 @@ class Heartbeat:
 
 
 async def heartbeat(
-    sessions: async_sessionmaker[AsyncSession],
+    engine: AsyncEngine,
     lease: Lease,
     *,
     lease_seconds: float,
     progress: tuple[int, int | None] | None = None,
-    events: list[tuple[str, dict[str, Any]]] | None = None,
+    events: Sequence[Event] = (),
 ) -> Heartbeat:
     """Extend the lease, record progress and events, and learn whether cancel was asked."""
     values: dict[str, Any] = {"lease_expires_at": utcnow() + timedelta(seconds=lease_seconds)}
     if progress is not None:
         values["progress_step"], values["progress_total"] = progress
-    async with transaction(sessions) as session:
-        cancel = (
-            await session.execute(
+    async with write_connection(engine) as conn:
+        row = (
+            await conn.execute(
                 update(JobRow)
                 .where(_guard(lease), JobRow.status == RUNNING)
-                .values(**values)
-                .returning(JobRow.cancel_requested)
+                .values(**values, last_event_seq=JobRow.last_event_seq + len(events))
+                .returning(JobRow.cancel_requested, JobRow.last_event_seq)
             )
-        ).scalar_one_or_none()
-        if cancel is None:
+        ).one_or_none()
+        if row is None:
             return Heartbeat(alive=False, cancel_requested=False)
-        for type_, data in events or ():
-            await append_event(session, lease.job_id, type_, data)
-        return Heartbeat(alive=True, cancel_requested=cancel)
+        await add_events(conn, lease.job_id, row.last_event_seq, events)
+        return Heartbeat(alive=True, cancel_requested=row.cancel_requested)
 
 
 async def record_start(
-    sessions: async_sessionmaker[AsyncSession],
-    lease: Lease,
-    *,
-    start_step: int,
-    data: dict[str, Any],
+    engine: AsyncEngine, lease: Lease, *, start_step: int, data: dict[str, Any]
 ) -> bool:
     """Write the model's step before training: recovery compares against it."""
-    async with transaction(sessions) as session:
-        result = await session.execute(
-            update(JobRow)
-            .where(_guard(lease), JobRow.status == RUNNING)
-            .values(start_step=start_step)
-        )
-        if result.rowcount == 0:  # type: ignore[attr-defined]
-            return False
-        await append_event(
-            session,
-            lease.job_id,
-            "training_started",
-            {"start_step": start_step, "attempt": lease.attempt, **data},
-        )
-        return True
+    event = ("training_started", {"start_step": start_step, "attempt": lease.attempt, **data})
+    async with write_connection(engine) as conn:
+        guard = and_(_guard(lease), JobRow.status == RUNNING)
+        return await _write(conn, lease, guard, {"start_step": start_step}, [event]) is not None
 
 
 async def finish(
-    sessions: async_sessionmaker[AsyncSession],
+    engine: AsyncEngine,
     lease: Lease,
     *,
     status: JobStatus,
     event: str,
     data: dict[str, Any],
+    earlier_events: Sequence[Event] = (),
     model_update: dict[str, Any] | None = None,
     expired_before: datetime | None = None,
     **fields: Any,
@@ -175,31 +226,32 @@ async def finish(
     `expired_before` (recovery): write only if the lease is still expired, i.e. its
     worker did not come back and renew it meanwhile.
     """
-    async with transaction(sessions) as session:
-        values: dict[str, Any] = {
-            "status": status.value,
-            "lease_token": None,
-            "lease_expires_at": None,
-            **fields,
-        }
-        if status.is_final:
-            values["finished_at"] = utcnow()
-        guard = and_(_guard(lease), JobRow.status == RUNNING)
-        if expired_before is not None:
-            guard = and_(guard, JobRow.lease_expires_at < expired_before)
-        result = await session.execute(update(JobRow).where(guard).values(**values))
-        if result.rowcount == 0:  # type: ignore[attr-defined]
+    values: dict[str, Any] = {
+        "status": status.value,
+        "lease_token": None,
+        "lease_expires_at": None,
+        **fields,
+    }
+    if status.is_final:
+        values["finished_at"] = utcnow()
+    guard = and_(_guard(lease), JobRow.status == RUNNING)
+    if expired_before is not None:
+        guard = and_(guard, JobRow.lease_expires_at < expired_before)
+    async with write_connection(engine) as conn:
+        events = [*earlier_events, (event, data)]
+        if await _write(conn, lease, guard, values, events) is None:
             return False
-        await append_event(session, lease.job_id, event, data)
         if model_update:
-            await session.execute(
-                update(ModelRow).where(ModelRow.name == lease.model_name).values(**model_update)
+            await conn.execute(
+                update(ModelRow)
+                .where(ModelRow.name == lease.model_name)
+                .values(**model_update, updated_at=utcnow())
             )
         return True
 
 
 async def retry_or_fail(
-    sessions: async_sessionmaker[AsyncSession],
+    engine: AsyncEngine,
     lease: Lease,
     *,
     error: dict[str, Any],
@@ -213,7 +265,7 @@ async def retry_or_fail(
     """
     if lease.attempt >= max_attempts:
         failed = await finish(
-            sessions,
+            engine,
             lease,
             status=JobStatus.failed,
             event="training_failed",
@@ -224,7 +276,7 @@ async def retry_or_fail(
         return JobStatus.failed if failed else None
     delay = backoff_seconds(lease.attempt, retry_base_seconds)
     queued = await finish(
-        sessions,
+        engine,
         lease,
         status=JobStatus.queued,
         event="job_retrying",
@@ -246,50 +298,54 @@ class Expired:
 
 
 async def expired_leases(
-    sessions: async_sessionmaker[AsyncSession], *, now: datetime | None = None, limit: int = 20
+    engine: AsyncEngine, *, now: datetime | None = None, limit: int = 20
 ) -> list[Expired]:
     """Running jobs whose worker stopped renewing its lease."""
     now = now or utcnow()
-    async with transaction(sessions) as session:
+    async with engine.connect() as conn:
         rows = (
-            await session.scalars(
-                select(JobRow)
+            await conn.execute(
+                select(
+                    JobRow.id,
+                    JobRow.lease_token,
+                    JobRow.lease_owner,
+                    JobRow.model_name,
+                    JobRow.kind,
+                    JobRow.attempts,
+                    JobRow.start_step,
+                    JobRow.cancel_requested,
+                    JobRow.max_attempts,
+                )
                 .where(JobRow.status == RUNNING, JobRow.lease_expires_at < now)
                 .order_by(JobRow.lease_expires_at)
                 .limit(limit)
             )
         ).all()
-        return [
-            Expired(
-                Lease(
-                    r.id, r.lease_token or "", r.lease_owner or "", r.model_name, r.kind, r.attempts
-                ),
-                r.start_step,
-                r.cancel_requested,
-                r.max_attempts,
-            )
-            for r in rows
-        ]
+    return [
+        Expired(
+            Lease(r.id, r.lease_token or "", r.lease_owner or "", r.model_name, r.kind, r.attempts),
+            r.start_step,
+            r.cancel_requested,
+            r.max_attempts,
+        )
+        for r in rows
+    ]
 
 
 async def beat_worker(
-    sessions: async_sessionmaker[AsyncSession],
-    *,
-    worker_id: str,
-    hostname: str,
-    pid: int,
-    stopped: bool = False,
+    engine: AsyncEngine, *, worker_id: str, hostname: str, pid: int, stopped: bool = False
 ) -> None:
-    async with transaction(sessions) as session:
-        row = await session.get(WorkerRow, worker_id)
-        now = utcnow()
-        if row is None:
-            session.add(
-                WorkerRow(
-                    id=worker_id, hostname=hostname, pid=pid, started_at=now, heartbeat_at=now
+    now = utcnow()
+    values: dict[str, Any] = {"heartbeat_at": now}
+    if stopped:
+        values["stopped_at"] = now
+    async with write_connection(engine) as conn:
+        result = await conn.execute(
+            update(WorkerRow).where(WorkerRow.id == worker_id).values(**values)
+        )
+        if result.rowcount == 0:
+            await conn.execute(
+                insert(WorkerRow).values(
+                    id=worker_id, hostname=hostname, pid=pid, started_at=now, **values
                 )
             )
-        else:
-            row.heartbeat_at = now
-        if stopped and row is not None:
-            row.stopped_at = now

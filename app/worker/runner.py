@@ -11,16 +11,17 @@ import secrets
 import socket
 from datetime import datetime
 
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.backends import Backends
 from app.backends.base import BackendError, ModelSpec
-from app.db import transaction, utcnow
+from app.db import utcnow
 from app.models import JobRow, JobStatus, ModelRow
 from app.notify import Notifier
 from app.settings import Settings
 from app.worker import queue
-from app.worker.queue import Lease
+from app.worker.queue import Claim, Lease
 from app.worker.training import run_training
 
 log = logging.getLogger(__name__)
@@ -31,17 +32,17 @@ class Worker:
         self,
         *,
         settings: Settings,
-        sessions: async_sessionmaker[AsyncSession],
+        engine: AsyncEngine,
         backends: Backends,
         notifier: Notifier,
     ) -> None:
         self.settings = settings
-        self.sessions = sessions
+        self.engine = engine
         self.backends = backends
         self.notifier = notifier
         self.hostname = socket.gethostname()
         self.id = f"{self.hostname}:{os.getpid()}:{secrets.token_hex(3)}"
-        self.tasks: dict[str, tuple[Lease, asyncio.Task[None]]] = {}
+        self.tasks: dict[str, tuple[Lease, asyncio.Task[None]]] = {}  # by job id
         self.last_heartbeat: float | None = None  # loop time of the last worker heartbeat
         self._stopping = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
@@ -55,7 +56,7 @@ class Worker:
 
     async def _beat(self) -> None:
         await queue.beat_worker(
-            self.sessions, worker_id=self.id, hostname=self.hostname, pid=os.getpid()
+            self.engine, worker_id=self.id, hostname=self.hostname, pid=os.getpid()
         )
         self.last_heartbeat = asyncio.get_running_loop().time()
 
@@ -85,19 +86,21 @@ class Worker:
         """Claim and start jobs until this worker is full or nothing is eligible."""
         started = 0
         while len(self.tasks) < self.settings.worker_concurrency and not self._stopping.is_set():
-            lease = await queue.claim(
-                self.sessions, owner=self.id, lease_seconds=self.settings.lease_seconds
+            claim = await queue.claim(
+                self.engine, owner=self.id, lease_seconds=self.settings.lease_seconds
             )
-            if lease is None:
+            if claim is None:
                 break
-            task = asyncio.create_task(self._process(lease), name=f"job:{lease.job_id}")
+            lease = claim.lease
+            task = asyncio.create_task(self._process(claim), name=f"job:{lease.job_id}")
             self.tasks[lease.job_id] = (lease, task)
             started += 1
         return started
 
-    async def _process(self, lease: Lease) -> None:
+    async def _process(self, claim: Claim) -> None:
+        lease = claim.lease
         try:
-            await self.process(lease)
+            await self.process(claim)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -107,9 +110,9 @@ class Worker:
             self.tasks.pop(lease.job_id, None)
             self.notifier.jobs_changed()  # a slot is free; the model may have more jobs
 
-    async def process(self, lease: Lease) -> None:
+    async def process(self, claim: Claim) -> None:
         await run_training(
-            lease, sessions=self.sessions, backends=self.backends, settings=self.settings
+            claim, engine=self.engine, backends=self.backends, settings=self.settings
         )
 
     async def stop(self, grace: float = 10.0) -> None:
@@ -130,7 +133,7 @@ class Worker:
                 await self.release(lease)
         with contextlib.suppress(Exception):
             await queue.beat_worker(
-                self.sessions,
+                self.engine,
                 worker_id=self.id,
                 hostname=self.hostname,
                 pid=os.getpid(),
@@ -140,12 +143,16 @@ class Worker:
     # -- recovery --------------------------------------------------------------------------
 
     async def _model_step(self, model_name: str) -> int:
-        async with transaction(self.sessions) as session:
-            model = await session.get(ModelRow, model_name)
-            assert model is not None
-            spec = ModelSpec(model.name, model.project, model.base_model, model.config)
-            backend = model.backend
-        return await self.backends.get(backend).get_step(spec)
+        async with self.engine.connect() as conn:
+            model = (
+                await conn.execute(
+                    select(
+                        ModelRow.project, ModelRow.base_model, ModelRow.config, ModelRow.backend
+                    ).where(ModelRow.name == model_name)
+                )
+            ).one()
+        spec = ModelSpec(model_name, model.project, model.base_model, model.config)
+        return await self.backends.get(model.backend).get_step(spec)
 
     async def settle(
         self,
@@ -162,7 +169,7 @@ class Worker:
         if start_step is not None and step > start_step:
             # The step happened before the worker died: count it, never train it again.
             done = await queue.finish(
-                self.sessions,
+                self.engine,
                 lease,
                 status=JobStatus.succeeded,
                 event="training_ended",
@@ -176,7 +183,7 @@ class Worker:
             return "recovered" if done else "skipped"
         if cancel_requested:
             done = await queue.finish(
-                self.sessions,
+                self.engine,
                 lease,
                 status=JobStatus.cancelled,
                 event="job_cancelled",
@@ -185,7 +192,7 @@ class Worker:
             )
             return "cancelled" if done else "skipped"
         status = await queue.retry_or_fail(
-            self.sessions,
+            self.engine,
             lease,
             error={**reason, "transient": True},
             max_attempts=max_attempts,
@@ -197,7 +204,7 @@ class Worker:
     async def recover_expired(self) -> dict[str, str]:
         now = utcnow()
         outcomes: dict[str, str] = {}
-        for expired in await queue.expired_leases(self.sessions, now=now):
+        for expired in await queue.expired_leases(self.engine, now=now):
             try:
                 outcomes[expired.lease.job_id] = await self.settle(
                     expired.lease,
@@ -218,15 +225,17 @@ class Worker:
 
     async def release(self, lease: Lease) -> None:
         """Hand a job back at shutdown so another worker can take it at once."""
-        async with transaction(self.sessions) as session:
-            job = await session.get(JobRow, lease.job_id)
-            if job is None or job.lease_token != lease.token:
-                return
-            start_step, cancel, max_attempts = (
-                job.start_step,
-                job.cancel_requested,
-                job.max_attempts,
-            )
+        async with self.engine.connect() as conn:
+            job = (
+                await conn.execute(
+                    select(JobRow.start_step, JobRow.cancel_requested, JobRow.max_attempts).where(
+                        JobRow.id == lease.job_id, JobRow.lease_token == lease.token
+                    )
+                )
+            ).one_or_none()
+        if job is None:
+            return
+        start_step, cancel, max_attempts = job.start_step, job.cancel_requested, job.max_attempts
         step = await self._model_step(lease.model_name)
         if (start_step is not None and step > start_step) or cancel:
             await self.settle(
@@ -238,7 +247,7 @@ class Worker:
             )
             return
         await queue.finish(
-            self.sessions,
+            self.engine,
             lease,
             status=JobStatus.queued,
             event="job_released",

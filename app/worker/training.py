@@ -12,27 +12,31 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy.exc import DBAPIError
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.backends import Backends
-from app.backends.base import BackendError, ModelSpec
-from app.db import transaction
-from app.models import JobRow, JobStatus, ModelRow
+from app.backends.base import BackendError
+from app.models import JobStatus
+from app.services.events import Event
 from app.services.jobs import load_groups
 from app.settings import Settings
 from app.worker import queue
-from app.worker.queue import Lease
+from app.worker.queue import Claim, Lease
 
 log = logging.getLogger(__name__)
+
+# Payloads above this are decoded in a thread so the event loop keeps serving.
+_THREAD_BYTES = 1 << 20
+PROGRESS_SECONDS = 0.25
 
 
 @dataclass
 class _Progress:
-    """Gradient-step progress collected from the backend, flushed on the next heartbeat."""
+    """Gradient-step progress collected from the backend, flushed on the next write."""
 
     step: int = 0
     total: int | None = None
-    events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
     dirty: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __call__(self, step: int, total: int | None, metrics: dict[str, float]) -> None:
@@ -40,7 +44,7 @@ class _Progress:
         self.events.append(("gradient_step", {"step": step, "total": total, "metrics": metrics}))
         self.dirty.set()
 
-    def take(self) -> list[tuple[str, dict[str, Any]]]:
+    def take(self) -> list[Event]:
         events, self.events = self.events, []
         self.dirty.clear()
         return events
@@ -54,71 +58,58 @@ def error_dict(exc: BackendError) -> dict[str, Any]:
     }
 
 
-async def _load(
-    sessions: async_sessionmaker[AsyncSession], lease: Lease
-) -> tuple[JobRow, ModelSpec, str]:
-    async with transaction(sessions) as session:
-        job = await session.get(JobRow, lease.job_id)
-        model = await session.get(ModelRow, lease.model_name)
-        assert job is not None and model is not None
-        spec = ModelSpec(model.name, model.project, model.base_model, model.config)
-        return job, spec, model.backend
-
-
 async def run_training(
-    lease: Lease,
-    *,
-    sessions: async_sessionmaker[AsyncSession],
-    backends: Backends,
-    settings: Settings,
+    claim: Claim, *, engine: AsyncEngine, backends: Backends, settings: Settings
 ) -> None:
-    job, spec, backend_name = await _load(sessions, lease)
+    lease = claim.lease
     try:
-        adapter = backends.get(backend_name)
-        groups = await asyncio.to_thread(load_groups, job)
-        start_step = await adapter.get_step(spec)
+        adapter = backends.get(claim.backend)
+        if claim.payload_bytes > _THREAD_BYTES:
+            groups = await asyncio.to_thread(load_groups, claim.payload, claim.payload_bytes)
+        else:
+            groups = load_groups(claim.payload, claim.payload_bytes)
+        start_step = await adapter.get_step(claim.model)
     except BackendError as exc:
-        await _failed(sessions, lease, exc, max_attempts=job.max_attempts, settings=settings)
+        await _failed(engine, claim, exc, settings)
         return
     if not await queue.record_start(
-        sessions, lease, start_step=start_step, data={"groups": len(groups)}
+        engine, lease, start_step=start_step, data={"groups": len(groups)}
     ):
         log.warning("job %s: lease lost before training; discarding", lease.job_id)
         return
     progress = _Progress()
     train = asyncio.create_task(
-        adapter.train(spec, groups, job.hyperparameters, on_progress=progress),
+        adapter.train(claim.model, groups, claim.hyperparameters, on_progress=progress),
         name=f"train:{lease.job_id}",
     )
     try:
-        outcome = await _supervise(train, lease, progress, sessions, settings)
+        outcome = await _supervise(train, lease, progress, engine, settings)
     except BackendError as exc:
-        await _failed(sessions, lease, exc, max_attempts=job.max_attempts, settings=settings)
+        await _failed(engine, claim, exc, settings)
         return
     if outcome == "lost":
         log.warning("job %s: lease lost while training; result discarded", lease.job_id)
         return
     if outcome == "cancelled":
         await queue.finish(
-            sessions,
+            engine,
             lease,
             status=JobStatus.cancelled,
             event="job_cancelled",
             data={"while": "running", "step": progress.step},
+            earlier_events=progress.take(),
         )
         return
     result = train.result()
-    inference = None
-    with contextlib.suppress(BackendError):
-        inference = await adapter.inference(spec)
     model_update: dict[str, Any] = {"current_step": result.step}
-    if inference is not None:
+    with contextlib.suppress(BackendError):
+        inference = await adapter.inference(claim.model)
         model_update |= {
             "inference_base_url": inference.base_url,
             "inference_model_name": inference.model_name,
         }
     await queue.finish(
-        sessions,
+        engine,
         lease,
         status=JobStatus.succeeded,
         event="training_ended",
@@ -128,6 +119,7 @@ async def run_training(
             "trained": result.trained,
             "metrics": result.metrics,
         },
+        earlier_events=progress.take(),
         model_update=model_update,
         final_step=result.step,
         metrics=result.metrics,
@@ -142,7 +134,7 @@ async def _supervise(
     train: asyncio.Task[Any],
     lease: Lease,
     progress: _Progress,
-    sessions: async_sessionmaker[AsyncSession],
+    engine: AsyncEngine,
     settings: Settings,
 ) -> str:
     """Heartbeat until training ends. Returns "done", "cancelled" or "lost"."""
@@ -151,20 +143,30 @@ async def _supervise(
     renewed = loop.time()
     try:
         while True:
-            dirty = asyncio.create_task(progress.dirty.wait())
+            # Wake for the end of training, the next heartbeat, or new progress; progress is
+            # written at most every PROGRESS_SECONDS, so fast steps batch into one write.
+            wake_at = next_beat
+            waiting: set[asyncio.Future[Any]] = {train}
+            if progress.events:
+                wake_at = min(wake_at, renewed + PROGRESS_SECONDS)
+            else:
+                waiting.add(asyncio.ensure_future(progress.dirty.wait()))
             await asyncio.wait(
-                {train, dirty},
-                timeout=max(0.0, next_beat - loop.time()),
+                waiting,
+                timeout=max(0.0, wake_at - loop.time()),
                 return_when=asyncio.FIRST_COMPLETED,
             )
-            dirty.cancel()
-            if train.done() and not progress.events:
+            for waiter in waiting - {train}:
+                waiter.cancel()
+            if progress.events and not train.done() and loop.time() < wake_at:
+                continue  # progress arrived; write it when its turn comes
+            if train.done():
                 train.result()  # raises the backend's error, if any
-                return "done"
+                return "done"  # pending progress events go out with the final write
             events = progress.take()
             try:
                 beat = await queue.heartbeat(
-                    sessions,
+                    engine,
                     lease,
                     lease_seconds=settings.lease_seconds,
                     progress=(progress.step, progress.total),
@@ -196,27 +198,20 @@ async def _stop(train: asyncio.Task[Any]) -> None:
         await train
 
 
-async def _failed(
-    sessions: async_sessionmaker[AsyncSession],
-    lease: Lease,
-    exc: BackendError,
-    *,
-    max_attempts: int,
-    settings: Settings,
-) -> None:
-    error = error_dict(exc)
+async def _failed(engine: AsyncEngine, claim: Claim, exc: BackendError, settings: Settings) -> None:
+    lease, error = claim.lease, error_dict(exc)
     log.warning("job %s attempt %d failed: %s", lease.job_id, lease.attempt, exc)
     if exc.transient:
         await queue.retry_or_fail(
-            sessions,
+            engine,
             lease,
             error=error,
-            max_attempts=max_attempts,
+            max_attempts=claim.max_attempts,
             retry_base_seconds=settings.retry_base_seconds,
         )
     else:
         await queue.finish(
-            sessions,
+            engine,
             lease,
             status=JobStatus.failed,
             event="training_failed",

@@ -1,0 +1,254 @@
+"""Dispatch latency (submit -> backend.train called) and queue throughput.
+
+dispatch: `trainyard serve`'s app with its embedded worker, served over loopback HTTP in
+this process; the dry-run backend notes when `train` is called. Baseline: the POST's own
+round trip (submit -> 202), measured on the same requests.
+throughput: two `trainyard worker` processes on Postgres drain a burst of jobs over many
+models through claim -> train -> apply, with a dry-run backend that takes no time.
+Baseline: empty write transactions per second on one Postgres connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import uvicorn
+from sqlalchemy import func, select, text
+
+from app.backends.dry_run import DryRunBackend
+from app.db import create_engine, create_sessionmaker
+from app.main import create_app
+from app.migrate import migrate
+from app.models import JobRow, ModelRow, WorkerRow
+from app.settings import Settings
+from bench.common import TRAINYARD, dumps, report
+
+POSTGRES = os.environ.get(
+    "TRAINYARD_BENCH_POSTGRES_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/test"
+)
+SMALL_COLLECTION = {
+    "run_id": "bench",
+    "trajectories": [
+        [
+            {
+                "episode": [
+                    {"role": "user", "content": "hi", "logprobs": None, "metadata": None},
+                    {
+                        "role": "assistant",
+                        "content": "hello",
+                        "metadata": None,
+                        "logprobs": {
+                            "content": [
+                                {
+                                    "token": "token_id:1",
+                                    "logprob": -0.1,
+                                    "bytes": None,
+                                    "top_logprobs": [],
+                                }
+                            ]
+                        },
+                    },
+                ],
+                "reward": r,
+                "shaped_rewards": None,
+                "metadata": None,
+            }
+            for r in (0.0, 1.0)
+        ]
+    ],
+}
+
+
+class StampingBackend(DryRunBackend):
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.called: dict[str, float] = {}
+
+    async def train(self, model: Any, trajectory_groups: Any, **kwargs: Any) -> Any:
+        self.called[model.name] = time.perf_counter()
+        return await super().train(model, trajectory_groups, **kwargs)
+
+
+async def _reset(url: str) -> None:
+    if url.startswith("postgresql"):
+        engine = create_engine(url)
+        async with engine.begin() as conn:
+            await conn.execute(text("DROP SCHEMA public CASCADE"))
+            await conn.execute(text("CREATE SCHEMA public"))
+        await engine.dispose()
+
+
+async def dispatch(database_url: str, data_dir: Path, jobs: int = 60) -> dict[str, float]:
+    await _reset(database_url)
+    backend = StampingBackend(data_dir / "dry-run")
+    settings = Settings(
+        database_url=database_url,
+        data_dir=data_dir,
+        worker_enabled=True,
+        poll_seconds=5.0,
+        log_level="warning",
+    )
+    app = create_app(settings, backend_overrides={"dry-run": backend})
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    latencies, accepts = [], []
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+        for i in range(jobs):
+            name = f"m{i}"  # a fresh model each time: nothing waits behind a running job
+            await client.post(
+                "/v1/models", json={"name": name, "base_model": "b", "backend": "dry-run"}
+            )
+            body = dumps({"model": name, "collection": SMALL_COLLECTION})
+            start = time.perf_counter()
+            response = await client.post(
+                "/v1/training-jobs", content=body, headers={"content-type": "application/json"}
+            )
+            accepts.append(time.perf_counter() - start)
+            assert response.status_code == 202, response.text
+            while name not in backend.called:
+                await asyncio.sleep(0.0005)
+            latencies.append(backend.called[name] - start)
+    server.should_exit = True
+    await task
+    latencies.sort()
+    return {
+        "p50": statistics.median(latencies),
+        "p95": latencies[int(0.95 * len(latencies)) - 1],
+        "accept": statistics.median(accepts),
+    }
+
+
+async def _commit_rate(url: str, seconds: float = 2.0) -> float:
+    engine = create_engine(url)
+    count, start = 0, time.perf_counter()
+    async with engine.connect() as conn:
+        await conn.execute(text("CREATE TEMP TABLE IF NOT EXISTS t (x int)"))
+        await conn.commit()
+        while time.perf_counter() - start < seconds:
+            await conn.execute(text("INSERT INTO t VALUES (1)"))
+            await conn.commit()
+            count += 1
+    await engine.dispose()
+    return count / (time.perf_counter() - start)
+
+
+async def throughput(data_dir: Path, jobs: int = 600, models: int = 60) -> dict[str, float]:
+    await _reset(POSTGRES)
+    engine = create_engine(POSTGRES)
+    await migrate(engine)
+    sessions = create_sessionmaker(engine)
+    env = {
+        **os.environ,
+        "TRAINYARD_DATABASE_URL": POSTGRES,
+        "TRAINYARD_DATA_DIR": str(data_dir),
+        "TRAINYARD_LOG_LEVEL": "warning",
+        "TRAINYARD_WORKER_CONCURRENCY": "8",
+    }
+    workers = [subprocess.Popen([TRAINYARD, "worker"], env=env) for _ in range(2)]
+    try:
+        async with sessions() as session:
+            session.add_all(
+                ModelRow(
+                    name=f"m{i}",
+                    project="bench",
+                    base_model="b",
+                    backend="dry-run",
+                    config={},
+                    current_step=0,
+                )
+                for i in range(models)
+            )
+            await session.commit()
+        while True:  # both workers up (imports take seconds) before the clock starts
+            async with sessions() as session:
+                if await session.scalar(select(func.count()).select_from(WorkerRow)) >= 2:
+                    break
+            await asyncio.sleep(0.1)
+        from app.services.jobs import PAYLOAD_FORMAT, _compressor, new_job_id
+
+        raw = dumps({"model": "m0", "collection": SMALL_COLLECTION})
+        rows = []
+        for i in range(jobs):
+            model = f"m{i % models}"
+            body = dumps({"model": model, "collection": SMALL_COLLECTION})
+            rows.append(
+                JobRow(
+                    id=new_job_id(),
+                    model_name=model,
+                    payload=_compressor.compress(body),
+                    payload_format=PAYLOAD_FORMAT,
+                    payload_bytes=len(body),
+                    hyperparameters={},
+                    meta={},
+                    summary={},
+                    request_hash="x" * 64,
+                    max_attempts=3,
+                )
+            )
+        del raw
+        start = time.perf_counter()
+        async with sessions() as session:
+            session.add_all(rows)
+            await session.execute(text("SELECT pg_notify('trainyard_jobs', 'burst')"))
+            await session.commit()
+        while True:
+            async with sessions() as session:
+                done = await session.scalar(
+                    select(func.count()).where(JobRow.status == "succeeded")
+                )
+            if done == jobs:
+                break
+            await asyncio.sleep(0.02)
+        elapsed = time.perf_counter() - start
+    finally:
+        for worker in workers:
+            worker.terminate()
+        for worker in workers:
+            worker.wait(30)
+        await engine.dispose()
+    return {"jobs_per_s": jobs / elapsed, "commit_rate": await _commit_rate(POSTGRES)}
+
+
+async def main() -> dict[str, float]:
+    results: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        sqlite = await dispatch(f"sqlite+aiosqlite:///{root / 'd.db'}", root / "s")
+        postgres = await dispatch(POSTGRES, root / "p")
+        for name, r, goal in (("SQLite", sqlite, 0.020), ("Postgres", postgres, 0.050)):
+            report(
+                f"dispatch latency, {name}: submit -> backend.train called (60 jobs)",
+                [
+                    ("p50", f"{r['p50'] * 1000:.1f} ms (goal <= {goal * 1000:.0f} ms)"),
+                    ("p95", f"{r['p95'] * 1000:.1f} ms"),
+                    ("baseline: POST round trip p50", f"{r['accept'] * 1000:.1f} ms"),
+                    ("ratio dispatch p50 / POST p50", f"{r['p50'] / r['accept']:.2f}x"),
+                ],
+            )
+            results[f"dispatch_p50_{name.lower()}_ms"] = r["p50"] * 1000
+        t = await throughput(root / "t")
+    report(
+        "throughput: 2 worker processes, Postgres, 600 jobs over 60 models, no-op training",
+        [
+            ("jobs/s", f"{t['jobs_per_s']:.0f} (goal >= 300)"),
+            ("baseline: empty commits/s, one connection", f"{t['commit_rate']:.0f}"),
+            ("ratio commits per job", f"{t['commit_rate'] / t['jobs_per_s']:.2f}"),
+        ],
+    )
+    results["jobs_per_s"] = t["jobs_per_s"]
+    return results
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
