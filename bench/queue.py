@@ -11,6 +11,7 @@ Baseline: empty write transactions per second on one Postgres connection.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import statistics
 import subprocess
@@ -197,6 +198,7 @@ async def throughput(data_dir: Path, jobs: int = 600, models: int = 60) -> dict[
                 )
             )
         del raw
+        cpu_before = [_cpu_seconds(w.pid) for w in workers], _postgres_cpu_seconds()
         start = time.perf_counter()
         async with sessions() as session:
             session.add_all(rows)
@@ -211,13 +213,36 @@ async def throughput(data_dir: Path, jobs: int = 600, models: int = 60) -> dict[
                 break
             await asyncio.sleep(0.02)
         elapsed = time.perf_counter() - start
+        worker_cpu = sum(_cpu_seconds(w.pid) for w in workers) - sum(cpu_before[0])
+        postgres_cpu = _postgres_cpu_seconds() - cpu_before[1]
     finally:
         for worker in workers:
             worker.terminate()
         for worker in workers:
             worker.wait(30)
         await engine.dispose()
-    return {"jobs_per_s": jobs / elapsed, "commit_rate": await _commit_rate(POSTGRES)}
+    return {
+        "jobs_per_s": jobs / elapsed,
+        "commit_rate": await _commit_rate(POSTGRES),
+        "worker_cpu_ms": 1000 * worker_cpu / jobs,
+        "postgres_cpu_ms": 1000 * postgres_cpu / jobs,
+        "elapsed": elapsed,
+    }
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _postgres_cpu_seconds() -> float:
+    """CPU of every local postgres process (the server is on this machine)."""
+    pids = subprocess.run(["pgrep", "-x", "postgres"], capture_output=True, text=True).stdout
+    total = 0.0
+    for pid in pids.split():
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            total += _cpu_seconds(int(pid))
+    return total
 
 
 async def main() -> dict[str, float]:
@@ -244,6 +269,10 @@ async def main() -> dict[str, float]:
             ("jobs/s", f"{t['jobs_per_s']:.0f} (goal >= 300)"),
             ("baseline: empty commits/s, one connection", f"{t['commit_rate']:.0f}"),
             ("ratio commits per job", f"{t['commit_rate'] / t['jobs_per_s']:.2f}"),
+            (
+                "CPU per job: workers / postgres",
+                f"{t['worker_cpu_ms']:.1f} / {t['postgres_cpu_ms']:.1f} ms",
+            ),
         ],
     )
     results["jobs_per_s"] = t["jobs_per_s"]

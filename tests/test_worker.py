@@ -63,7 +63,8 @@ class Env:
         return self.worker.engine
 
     async def claim(self) -> queue.Claim | None:
-        return await queue.claim(self.engine, owner="test", lease_seconds=30)
+        claims = await queue.claim(self.engine, owner="test", lease_seconds=30)
+        return claims[0] if claims else None
 
     async def row(self, job_id: str) -> JobRow:
         async with self.sessions() as session:
@@ -281,3 +282,14 @@ async def test_shutdown_hands_running_jobs_back(env: Env) -> None:
     assert (row.status, row.attempts, row.lease_token) == ("queued", 0, None)
     assert (await env.events(job_id))[-1] == "job_released"
     assert await env.claim() is not None  # another worker takes it at once
+
+
+async def test_a_batch_claim_takes_one_job_per_model(env: Env) -> None:
+    for name in "abc":
+        await env.model(name)
+    a1, a2, b1, c1 = [await env.job(m) for m in "aabc"]
+    claims = await queue.claim(env.engine, owner="test", lease_seconds=30, limit=3)
+    assert [c.lease.job_id for c in claims] == [a1, b1, c1]
+    assert {c.model.name for c in claims} == {"a", "b", "c"}
+    assert (await env.row(a2)).status == "queued"
+    assert await queue.claim(env.engine, owner="test", lease_seconds=30, limit=3) == []

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 TRAINYARD = str(Path(sys.executable).parent / "trainyard")
 
 
-def start_worker(env: Env) -> subprocess.Popen:
+def start_worker(env: Env, **extra: str) -> subprocess.Popen:
     settings = env.settings
     environ = {
         **os.environ,
@@ -33,6 +33,7 @@ def start_worker(env: Env) -> subprocess.Popen:
         "TRAINYARD_POLL_SECONDS": "0.2",
         "TRAINYARD_RETRY_BASE_SECONDS": "0.05",
         "TRAINYARD_LOG_LEVEL": "warning",
+        **extra,
     }
     return subprocess.Popen([TRAINYARD, "worker"], env=environ)
 
@@ -133,8 +134,9 @@ async def test_two_workers_on_postgres_share_a_burst_without_overlap(
     env = plain_env
     models = [f"m{i}" for i in range(4)]
     for name in models:
-        await env.model(name, seconds_per_step=0.01)
-    workers = [start_worker(env), start_worker(env)]
+        await env.model(name, seconds_per_step=0.02)
+    # Two slots each for four models: neither worker can take the whole burst alone.
+    workers = [start_worker(env, TRAINYARD_WORKER_CONCURRENCY="2") for _ in range(2)]
     try:
         job_ids = [await env.job(models[i % 4]) for i in range(40)]
 

@@ -12,12 +12,11 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import and_, insert, select, update
+from sqlalchemy import Table, and_, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
-from sqlalchemy.orm import aliased
 
 from app.backends.base import ModelSpec
 from app.db import utcnow, write_connection
@@ -25,6 +24,12 @@ from app.models import JobRow, JobStatus, ModelRow, WorkerRow
 from app.services.events import Event, add_events
 
 RUNNING = JobStatus.running.value
+# Core tables, not ORM entities: this module runs per job and the ORM layer costs CPU here.
+jobs = cast(Table, JobRow.__table__)
+models = cast(Table, ModelRow.__table__)
+workers = cast(Table, WorkerRow.__table__)
+_running = jobs.alias("running")
+_busy_models = select(_running.c.model_name).where(_running.c.status == RUNNING)
 
 
 @dataclass(frozen=True)
@@ -51,7 +56,7 @@ class Claim:
 
 
 def _guard(lease: Lease) -> Any:
-    return and_(JobRow.id == lease.job_id, JobRow.lease_token == lease.token)
+    return and_(jobs.c.id == lease.job_id, jobs.c.lease_token == lease.token)
 
 
 def backoff_seconds(attempt: int, base: float) -> float:
@@ -66,12 +71,12 @@ async def _write(
     """Guarded update of a job that also numbers its new events; None if nothing matched."""
     seq = (
         await conn.execute(
-            update(JobRow)
+            update(jobs)
             .where(guard)
             .values(
-                **values, last_event_seq=JobRow.last_event_seq + len(events), updated_at=utcnow()
+                **values, last_event_seq=jobs.c.last_event_seq + len(events), updated_at=utcnow()
             )
-            .returning(JobRow.last_event_seq)
+            .returning(jobs.c.last_event_seq)
         )
     ).scalar_one_or_none()
     if seq is not None:
@@ -79,76 +84,92 @@ async def _write(
     return seq
 
 
-async def claim(engine: AsyncEngine, *, owner: str, lease_seconds: float) -> Claim | None:
-    """Take the oldest eligible queued job, or None. Never two running jobs per model."""
+async def claim(
+    engine: AsyncEngine, *, owner: str, lease_seconds: float, limit: int = 1
+) -> list[Claim]:
+    """Take up to `limit` of the oldest eligible queued jobs, at most one per model, in one
+    transaction. Never two running jobs per model."""
     for _ in range(8):
         try:
             async with write_connection(engine) as conn:
-                return await _claim_once(conn, owner=owner, lease_seconds=lease_seconds)
+                return await _claim_once(
+                    conn, owner=owner, lease_seconds=lease_seconds, limit=limit
+                )
         except IntegrityError:
             # Another worker started a job of the same model between our read and write
             # (the partial unique index refused ours); look again.
             continue
-    return None
+    return []
 
 
-async def _claim_once(conn: AsyncConnection, *, owner: str, lease_seconds: float) -> Claim | None:
+async def _claim_once(
+    conn: AsyncConnection, *, owner: str, lease_seconds: float, limit: int
+) -> list[Claim]:
     now = utcnow()
-    running = aliased(JobRow)
-    busy_models = select(running.model_name).where(running.status == RUNNING)
     query = (
         select(
-            JobRow.id,
-            JobRow.model_name,
-            JobRow.kind,
-            ModelRow.project,
-            ModelRow.base_model,
-            ModelRow.backend,
-            ModelRow.config,
+            jobs.c.id,
+            jobs.c.model_name,
+            jobs.c.kind,
+            models.c.project,
+            models.c.base_model,
+            models.c.backend,
+            models.c.config,
         )
-        .join(ModelRow, ModelRow.name == JobRow.model_name)
+        .join(models, models.c.name == jobs.c.model_name)
         .where(
-            JobRow.status == JobStatus.queued.value,
-            JobRow.not_before <= now,
-            JobRow.model_name.not_in(busy_models),
+            jobs.c.status == JobStatus.queued.value,
+            jobs.c.not_before <= now,
+            jobs.c.model_name.not_in(_busy_models),
         )
-        .order_by(JobRow.not_before, JobRow.id)
-        .limit(1)
+        .order_by(jobs.c.not_before, jobs.c.id)
+        .limit(limit * 4)
     )
     if conn.dialect.name == "postgresql":
-        query = query.with_for_update(skip_locked=True, of=JobRow)
-    row = (await conn.execute(query)).first()
-    if row is None:
-        return None
+        # Locking the model row too makes a concurrent claimer skip every job of a model
+        # that is being claimed right now, instead of colliding on the unique index.
+        query = query.with_for_update(skip_locked=True, of=(jobs, models))
+    picked: dict[str, Any] = {}
+    for row in (await conn.execute(query)).all():
+        picked.setdefault(row.model_name, row)
+        if len(picked) == limit:
+            break
+    claims = []
+    for row in picked.values():
+        claims.append(await _take(conn, row, owner=owner, now=now, lease_seconds=lease_seconds))
+    return claims
+
+
+async def _take(
+    conn: AsyncConnection, row: Any, *, owner: str, now: datetime, lease_seconds: float
+) -> Claim:
     token = secrets.token_hex(16)
     job = (
         await conn.execute(
-            update(JobRow)
-            .where(JobRow.id == row.id, JobRow.status == JobStatus.queued.value)
+            update(jobs)
+            .where(jobs.c.id == row.id, jobs.c.status == JobStatus.queued.value)
             .values(
                 status=RUNNING,
                 lease_token=token,
                 lease_owner=owner,
                 lease_expires_at=now + timedelta(seconds=lease_seconds),
-                attempts=JobRow.attempts + 1,
+                attempts=jobs.c.attempts + 1,
                 started_at=now,
-                updated_at=now,
                 progress_step=0,
                 progress_total=None,
                 start_step=None,
-                last_event_seq=JobRow.last_event_seq + 1,
+                last_event_seq=jobs.c.last_event_seq + 1,
             )
             .returning(
-                JobRow.attempts,
-                JobRow.last_event_seq,
-                JobRow.payload,
-                JobRow.payload_bytes,
-                JobRow.hyperparameters,
-                JobRow.max_attempts,
+                jobs.c.attempts,
+                jobs.c.last_event_seq,
+                jobs.c.payload,
+                jobs.c.payload_bytes,
+                jobs.c.hyperparameters,
+                jobs.c.max_attempts,
             )
         )
     ).one()
-    lease = Lease(row.id, token, owner, row.model_name, row.kind, job.attempts)
     await add_events(
         conn,
         row.id,
@@ -156,7 +177,7 @@ async def _claim_once(conn: AsyncConnection, *, owner: str, lease_seconds: float
         [("job_claimed", {"worker": owner, "attempt": job.attempts})],
     )
     return Claim(
-        lease=lease,
+        lease=Lease(row.id, token, owner, row.model_name, row.kind, job.attempts),
         model=ModelSpec(row.model_name, row.project, row.base_model, row.config),
         backend=row.backend,
         payload=job.payload,
@@ -187,10 +208,10 @@ async def heartbeat(
     async with write_connection(engine) as conn:
         row = (
             await conn.execute(
-                update(JobRow)
-                .where(_guard(lease), JobRow.status == RUNNING)
-                .values(**values, last_event_seq=JobRow.last_event_seq + len(events))
-                .returning(JobRow.cancel_requested, JobRow.last_event_seq)
+                update(jobs)
+                .where(_guard(lease), jobs.c.status == RUNNING)
+                .values(**values, last_event_seq=jobs.c.last_event_seq + len(events))
+                .returning(jobs.c.cancel_requested, jobs.c.last_event_seq)
             )
         ).one_or_none()
         if row is None:
@@ -205,7 +226,7 @@ async def record_start(
     """Write the model's step before training: recovery compares against it."""
     event = ("training_started", {"start_step": start_step, "attempt": lease.attempt, **data})
     async with write_connection(engine) as conn:
-        guard = and_(_guard(lease), JobRow.status == RUNNING)
+        guard = and_(_guard(lease), jobs.c.status == RUNNING)
         return await _write(conn, lease, guard, {"start_step": start_step}, [event]) is not None
 
 
@@ -234,18 +255,16 @@ async def finish(
     }
     if status.is_final:
         values["finished_at"] = utcnow()
-    guard = and_(_guard(lease), JobRow.status == RUNNING)
+    guard = and_(_guard(lease), jobs.c.status == RUNNING)
     if expired_before is not None:
-        guard = and_(guard, JobRow.lease_expires_at < expired_before)
+        guard = and_(guard, jobs.c.lease_expires_at < expired_before)
     async with write_connection(engine) as conn:
         events = [*earlier_events, (event, data)]
         if await _write(conn, lease, guard, values, events) is None:
             return False
         if model_update:
             await conn.execute(
-                update(ModelRow)
-                .where(ModelRow.name == lease.model_name)
-                .values(**model_update, updated_at=utcnow())
+                update(models).where(models.c.name == lease.model_name).values(**model_update)
             )
         return True
 
@@ -306,18 +325,18 @@ async def expired_leases(
         rows = (
             await conn.execute(
                 select(
-                    JobRow.id,
-                    JobRow.lease_token,
-                    JobRow.lease_owner,
-                    JobRow.model_name,
-                    JobRow.kind,
-                    JobRow.attempts,
-                    JobRow.start_step,
-                    JobRow.cancel_requested,
-                    JobRow.max_attempts,
+                    jobs.c.id,
+                    jobs.c.lease_token,
+                    jobs.c.lease_owner,
+                    jobs.c.model_name,
+                    jobs.c.kind,
+                    jobs.c.attempts,
+                    jobs.c.start_step,
+                    jobs.c.cancel_requested,
+                    jobs.c.max_attempts,
                 )
-                .where(JobRow.status == RUNNING, JobRow.lease_expires_at < now)
-                .order_by(JobRow.lease_expires_at)
+                .where(jobs.c.status == RUNNING, jobs.c.lease_expires_at < now)
+                .order_by(jobs.c.lease_expires_at)
                 .limit(limit)
             )
         ).all()
@@ -341,11 +360,11 @@ async def beat_worker(
         values["stopped_at"] = now
     async with write_connection(engine) as conn:
         result = await conn.execute(
-            update(WorkerRow).where(WorkerRow.id == worker_id).values(**values)
+            update(workers).where(workers.c.id == worker_id).values(**values)
         )
         if result.rowcount == 0:
             await conn.execute(
-                insert(WorkerRow).values(
+                insert(workers).values(
                     id=worker_id, hostname=hostname, pid=pid, started_at=now, **values
                 )
             )

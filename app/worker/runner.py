@@ -85,16 +85,20 @@ class Worker:
     async def fill(self) -> int:
         """Claim and start jobs until this worker is full or nothing is eligible."""
         started = 0
-        while len(self.tasks) < self.settings.worker_concurrency and not self._stopping.is_set():
-            claim = await queue.claim(
-                self.engine, owner=self.id, lease_seconds=self.settings.lease_seconds
-            )
-            if claim is None:
+        while not self._stopping.is_set():
+            free = self.settings.worker_concurrency - len(self.tasks)
+            if free <= 0:
                 break
-            lease = claim.lease
-            task = asyncio.create_task(self._process(claim), name=f"job:{lease.job_id}")
-            self.tasks[lease.job_id] = (lease, task)
-            started += 1
+            claims = await queue.claim(
+                self.engine, owner=self.id, lease_seconds=self.settings.lease_seconds, limit=free
+            )
+            for claim in claims:
+                lease = claim.lease
+                task = asyncio.create_task(self._process(claim), name=f"job:{lease.job_id}")
+                self.tasks[lease.job_id] = (lease, task)
+            started += len(claims)
+            if len(claims) < free:
+                break
         return started
 
     async def _process(self, claim: Claim) -> None:
