@@ -67,7 +67,7 @@ async def _run_worker() -> None:
         await migrate(engine)
     notifier = Notifier()
     await notifier.listen(settings.database_url)
-    backends = Backends(settings.data_dir)
+    backends = Backends(settings)
     runner = Worker(
         settings=settings,
         engine=engine,
@@ -104,6 +104,16 @@ def migrate(
 
     asyncio.run(_go())
     typer.echo(f"database at {revision}")
+
+
+@app.command("make-tiny-model")
+def make_tiny_model(
+    path: Annotated[str, typer.Argument(help="Directory to write the model to.")],
+) -> None:
+    """Write a tiny random-weight chat model (tokenizer built here; nothing downloaded)."""
+    from app.backends.tiny_model import make_tiny_model as make
+
+    typer.echo(f"tiny model written to {make(path)}")
 
 
 @app.command()

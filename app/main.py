@@ -20,6 +20,7 @@ from app.metrics import Metrics
 from app.migrate import migrate
 from app.notify import Notifier
 from app.schemas.common import FieldError, Problem, problem_responses
+from app.services.demo import ensure_demo_model
 from app.settings import Settings, get_settings
 from app.worker.runner import Worker
 
@@ -51,11 +52,13 @@ def create_app(
         app.state.engine = engine
         app.state.sessions = create_sessionmaker(engine)
         app.state.notifier = Notifier()
-        app.state.backends = Backends(settings.data_dir, backend_overrides)
+        app.state.backends = Backends(settings, backend_overrides)
         app.state.worker = None
         if settings.migrate_on_start:
             await migrate(engine)
         await app.state.notifier.listen(settings.database_url)
+        if settings.demo_model:
+            await ensure_demo_model(app.state.sessions, settings.data_dir)
         if settings.worker_enabled:
             app.state.worker = Worker(
                 settings=settings,

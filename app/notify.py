@@ -34,10 +34,16 @@ async def send(executor: AsyncSession | AsyncConnection, channel: str, payload: 
 class Notifier:
     def __init__(self) -> None:
         self._jobs = asyncio.Event()
+        self.models_version = 0
         self._event_waiters: defaultdict[str, set[asyncio.Event]] = defaultdict(set)
         self._conn: Any = None
 
     def jobs_changed(self) -> None:
+        self._jobs.set()
+
+    def models_changed(self) -> None:
+        """A model was registered: workers in this process start serving it."""
+        self.models_version += 1
         self._jobs.set()
 
     async def wait_for_jobs(self, timeout: float) -> bool:  # noqa: ASYNC109

@@ -66,6 +66,17 @@ class Settings(BaseSettings):
         default=DEFAULT_DATA_DIR,
         description="Where the embedded database and backend checkpoints live.",
     )
+    demo_model: bool = Field(
+        default=False,
+        description="At start, make a tiny model under <data_dir>/tiny-model and register it "
+        "as `demo` on the cpu backend, served and ready to train (`make run` turns this on).",
+    )
+    cpu_inference_host: str = Field(
+        default="127.0.0.1", description="Address the cpu backend's inference endpoint binds."
+    )
+    cpu_inference_port: int = Field(
+        default=0, ge=0, le=65535, description="Its port; 0 picks a free one at start."
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         default="info", description="Log level of the service."
     )

@@ -33,7 +33,7 @@ class Env:
         self.worker = Worker(
             settings=settings,
             engine=sessions.kw["bind"],
-            backends=Backends(settings.data_dir, {"dry-run": backend}),
+            backends=Backends(settings, {"dry-run": backend}),
             notifier=Notifier(),
         )
 

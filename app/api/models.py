@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Response
+from fastapi import APIRouter, Query, Request, Response
 from pydantic import BaseModel, Field
 
 from app.api.deps import Session
@@ -29,9 +29,13 @@ backends_router = APIRouter(
         **problem_responses(409, 422),
     },
 )
-async def create(body: ModelCreate, session: Session, response: Response) -> Model:
+async def create(
+    body: ModelCreate, request: Request, session: Session, response: Response
+) -> Model:
     model, created = await service.create_model(session, body=body)
     await session.commit()
+    if created:
+        request.app.state.notifier.models_changed()
     response.status_code = 201 if created else 200
     response.headers["Location"] = f"/v1/models/{model.name}"
     return model

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import art
 from pydantic import BaseModel, ValidationError
 
+from app.backends import art_backends
 from app.backends.base import BackendError, ModelSpec, TrainerAdapter
+from app.backends.cpu import CpuBackend, CpuConfig, CpuHyperparameters
 from app.backends.dry_run import DryRunBackend, DryRunConfig
-from app.backends.hyperparameters import ArtLocalHyperparameters
+from app.backends.hyperparameters import ArtLocalHyperparameters, ArtServerlessHyperparameters
+from app.settings import Settings
 
 
 @dataclass(frozen=True)
@@ -21,12 +23,14 @@ class BackendSpec:
     description: str
     hyperparameters: type[BaseModel]
     config: type[BaseModel]
-    create: Callable[[Path], Any]
-    """Builds the `art.Backend` object, given the data directory."""
+    create: Callable[[Settings], Any]
+    """Builds the `art.Backend` object; raises BackendError when it cannot run here."""
     trainable_model: Callable[[ModelSpec, BaseModel], art.TrainableModel]
+    serves: bool = False
+    """Whether the backend serves models for inference from the worker's process."""
 
 
-def _dry_run_model(spec: ModelSpec, config: BaseModel) -> art.TrainableModel:
+def _model_with_config(spec: ModelSpec, config: BaseModel) -> art.TrainableModel:
     return art.TrainableModel(
         name=spec.name, project=spec.project, base_model=spec.base_model, config=config
     )
@@ -39,8 +43,40 @@ SPECS: dict[str, BackendSpec] = {
         "weights; for wiring, demos and benchmarks without a GPU.",
         hyperparameters=ArtLocalHyperparameters,
         config=DryRunConfig,
-        create=lambda data_dir: DryRunBackend(data_dir / "dry-run"),
-        trainable_model=_dry_run_model,
+        create=lambda settings: DryRunBackend(settings.data_dir / "dry-run"),
+        trainable_model=_model_with_config,
+    ),
+    "cpu": BackendSpec(
+        name="cpu",
+        description="Trainyard's reference trainer: policy-gradient steps on a LoRA adapter "
+        "over a local causal LM, on CPU, serving `name@step` with logprobs. For small models.",
+        hyperparameters=CpuHyperparameters,
+        config=CpuConfig,
+        create=lambda settings: CpuBackend(
+            settings.data_dir / "cpu",
+            host=settings.cpu_inference_host,
+            port=settings.cpu_inference_port,
+        ),
+        trainable_model=_model_with_config,
+        serves=True,
+    ),
+    "art-local": BackendSpec(
+        name="art-local",
+        description="ART's LocalBackend (vLLM + Unsloth) in the worker process; CUDA hosts "
+        "with the gpu extra only.",
+        hyperparameters=ArtLocalHyperparameters,
+        config=art_backends.ArtLocalConfig,
+        create=lambda settings: art_backends.create_local(settings.data_dir),
+        trainable_model=art_backends.local_model,
+        serves=True,
+    ),
+    "art-serverless": BackendSpec(
+        name="art-serverless",
+        description="ART's ServerlessBackend (W&B serverless RL); needs WANDB_API_KEY.",
+        hyperparameters=ArtServerlessHyperparameters,
+        config=art_backends.ArtServerlessConfig,
+        create=lambda settings: art_backends.create_serverless(settings.data_dir),
+        trainable_model=art_backends.serverless_model,
     ),
 }
 
@@ -53,8 +89,8 @@ def validate_config(backend: str, config: dict[str, Any]) -> BaseModel:
 class Backends:
     """The trainer adapters of this process, created on first use."""
 
-    def __init__(self, data_dir: Path, overrides: dict[str, Any] | None = None) -> None:
-        self.data_dir = Path(data_dir)
+    def __init__(self, settings: Settings, overrides: dict[str, Any] | None = None) -> None:
+        self.settings = settings
         self._overrides = overrides or {}
         self._adapters: dict[str, TrainerAdapter] = {}
 
@@ -64,7 +100,7 @@ class Backends:
             spec = SPECS.get(name)
             if spec is None:
                 raise BackendError(f"unknown backend {name!r}", transient=False)
-            backend = self._overrides.get(name) or spec.create(self.data_dir)
+            backend = self._overrides.get(name) or spec.create(self.settings)
 
             def trainable_model(model: ModelSpec, spec: BackendSpec = spec) -> art.TrainableModel:
                 return spec.trainable_model(model, spec.config.model_validate(model.config))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -29,22 +30,30 @@ TOTAL_KEY = "data/step_num_gradient_steps"
 @dataclass
 class _ProgressState:
     callback: ProgressCallback
+    loop: asyncio.AbstractEventLoop
+    thread: int = field(default_factory=threading.get_ident)
     done: int = 0
 
 
 def report_gradient_step(metrics: dict[str, float]) -> None:
-    """Backends call this once per gradient step; a no-op outside `TrainerAdapter.train`."""
+    """Backends call this once per gradient step, from the event loop or from a thread they
+    train in (`asyncio.to_thread` carries the context); a no-op outside a training call."""
     state = _progress.get()
     if state is None:
         return
     state.done += 1
     total = metrics.get(TOTAL_KEY)
-    state.callback(state.done, int(total) if total is not None else None, metrics)
+    args = (state.done, int(total) if total is not None else None, dict(metrics))
+    if threading.get_ident() == state.thread:
+        state.callback(*args)
+    else:
+        state.loop.call_soon_threadsafe(state.callback, *args)
 
 
 @contextmanager
 def progress_reporting(callback: ProgressCallback | None) -> Iterator[None]:
-    token = _progress.set(_ProgressState(callback) if callback else None)
+    state = _ProgressState(callback, asyncio.get_running_loop()) if callback else None
+    token = _progress.set(state)
     try:
         yield
     finally:

@@ -45,32 +45,27 @@ def _invalid(detail: str, errors: list[dict[str, Any]]) -> InvalidInputError:
     return InvalidInputError(detail, errors=field_errors(errors))
 
 
-def _validate_hyperparameters(backend: str, hyperparameters: dict[str, Any]) -> dict[str, Any]:
+def _hyperparameter_errors(backend: str, hyperparameters: dict[str, Any]) -> list[dict[str, Any]]:
     try:
-        parsed = SPECS[backend].hyperparameters.model_validate(hyperparameters)
+        SPECS[backend].hyperparameters.model_validate(hyperparameters)
     except ValidationError as exc:
-        errors = [{**e, "loc": ("hyperparameters", *e["loc"])} for e in exc.errors()]
-        raise _invalid(f"hyperparameters not accepted by backend {backend!r}", errors) from exc
-    return parsed.model_dump(mode="json", exclude_unset=True)
+        return [{**e, "loc": ("hyperparameters", *e["loc"])} for e in exc.errors()]
+    return []
 
 
-def _check_trajectories(body: TrainingJobCreate) -> TrajectorySummary:
+def _check_trajectories(body: TrainingJobCreate) -> tuple[TrajectorySummary, list[dict[str, Any]]]:
     opt_out = body.hyperparameters.get("allow_training_without_logprobs") is True
-    require_logprobs = not opt_out
     if body.collection is not None:
         prefix: tuple[str, ...] = ("collection",)
-        issues = check_collection(body.collection, require_logprobs=require_logprobs)
+        issues = check_collection(body.collection, require_logprobs=not opt_out)
+        summary = summarize_collection(body.collection)
     else:
         assert body.groups is not None
         prefix = ("groups",)
-        issues = check_groups(body.groups, require_logprobs=require_logprobs)
-    if issues:
-        errors = [{"loc": (*prefix, *i.loc), "msg": i.msg, "type": i.type} for i in issues]
-        raise _invalid(f"{len(issues)} trajectory problem(s); nothing was stored", errors)
-    if body.collection is not None:
-        return summarize_collection(body.collection)
-    assert body.groups is not None
-    return summarize_groups(body.groups)
+        issues = check_groups(body.groups, require_logprobs=not opt_out)
+        summary = summarize_groups(body.groups)
+    errors = [{"loc": (*prefix, *i.loc), "msg": i.msg, "type": i.type} for i in issues]
+    return summary, errors
 
 
 async def create_training_job(
@@ -81,10 +76,13 @@ async def create_training_job(
     idempotency_key: str | None,
     max_attempts: int,
 ) -> tuple[JobRow, bool]:
-    """Validate and store a job with its payload and first event. Returns (job, replayed)."""
+    """Validate and store a job with its payload and first event. Returns (job, replayed).
+
+    Every problem with the request is reported at once (422); nothing is stored then.
+    """
     # The CPU-heavy part runs before the first query, so no transaction waits on it.
-    summary = _check_trajectories(body)
-    payload = _compressor.compress(raw)
+    summary, errors = _check_trajectories(body)
+    payload = _compressor.compress(raw) if not errors else b""
     request_hash = hashlib.sha256(raw).hexdigest()
     await begin_write(session)
     if idempotency_key is not None:
@@ -93,17 +91,24 @@ async def create_training_job(
             return replay, True
     model = await session.get(ModelRow, body.model)
     if model is None:
-        raise _invalid(
-            f"no model named {body.model!r}",
-            [
-                {
-                    "loc": ("model",),
-                    "msg": "no such model; create it with POST /v1/models",
-                    "type": "unknown_model",
-                }
-            ],
+        errors.insert(
+            0,
+            {
+                "loc": ("model",),
+                "msg": "no such model; create it with POST /v1/models",
+                "type": "unknown_model",
+            },
         )
-    hyperparameters = _validate_hyperparameters(model.backend, body.hyperparameters)
+    else:
+        errors += _hyperparameter_errors(model.backend, body.hyperparameters)
+    if errors:
+        raise _invalid(f"{len(errors)} problem(s) in the request; nothing was stored", errors)
+    assert model is not None
+    hyperparameters = (
+        SPECS[model.backend]
+        .hyperparameters.model_validate(body.hyperparameters)
+        .model_dump(mode="json", exclude_unset=True)
+    )
     job = JobRow(
         id=new_job_id(),
         kind=JobKind.training.value,

@@ -11,12 +11,12 @@ import secrets
 import socket
 from datetime import datetime
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app.backends import Backends
+from app.backends import SPECS, Backends
 from app.backends.base import BackendError, ModelSpec
-from app.db import utcnow
+from app.db import utcnow, write_connection
 from app.models import JobRow, JobStatus, ModelRow
 from app.notify import Notifier
 from app.settings import Settings
@@ -45,6 +45,8 @@ class Worker:
         self.tasks: dict[str, tuple[Lease, asyncio.Task[None]]] = {}  # by job id
         self.last_heartbeat: float | None = None  # loop time of the last worker heartbeat
         self._stopping = asyncio.Event()
+        self._models_seen = -1  # notifier.models_version last served
+        self._served: set[str] = set()
         self._loop_task: asyncio.Task[None] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -69,6 +71,9 @@ class Worker:
                 if loop.time() >= next_beat:
                     await self._beat()
                     next_beat = loop.time() + self.settings.heartbeat_seconds
+                if self.notifier.models_version != self._models_seen:
+                    self._models_seen = self.notifier.models_version
+                    await self.serve_models()
                 if loop.time() >= next_recovery:
                     await self.recover_expired()
                     next_recovery = loop.time() + self.settings.lease_seconds / 3
@@ -143,6 +148,45 @@ class Worker:
                 pid=os.getpid(),
                 stopped=True,
             )
+
+    # -- serving ---------------------------------------------------------------------------
+
+    async def serve_models(self) -> None:
+        """Register models whose backend serves inference here, so their endpoint shows
+        before their first job. Failures are logged; the first job reports them."""
+        serving = [name for name, spec in SPECS.items() if spec.serves]
+        async with self.engine.connect() as conn:
+            rows = (
+                await conn.execute(
+                    select(
+                        ModelRow.name,
+                        ModelRow.project,
+                        ModelRow.base_model,
+                        ModelRow.config,
+                        ModelRow.backend,
+                    ).where(ModelRow.backend.in_(serving))
+                )
+            ).all()
+        for row in rows:
+            if row.name in self._served:
+                continue
+            self._served.add(row.name)
+            spec = ModelSpec(row.name, row.project, row.base_model, row.config)
+            try:
+                inference = await self.backends.get(row.backend).inference(spec)
+            except BackendError as exc:
+                log.warning("model %s: cannot serve it yet: %s", row.name, exc)
+                continue
+            async with write_connection(self.engine) as conn:
+                await conn.execute(
+                    update(ModelRow)
+                    .where(ModelRow.name == row.name)
+                    .values(
+                        current_step=inference.step,
+                        inference_base_url=inference.base_url,
+                        inference_model_name=inference.model_name,
+                    )
+                )
 
     # -- recovery --------------------------------------------------------------------------
 

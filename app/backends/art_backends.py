@@ -1,0 +1,83 @@
+"""ART's own backends: `art-local` (LocalBackend on a CUDA host) and `art-serverless`.
+
+Neither can run on a machine without a GPU or W&B credentials; each fails with a clear,
+permanent error naming what is missing, and the job that asked for it fails with it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any
+
+import art
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from app.backends.base import BackendError, ModelSpec
+
+GPU_HINT = (
+    "art-local runs ART's LocalBackend: it needs a CUDA GPU and the gpu extra "
+    "(`pip install '.[gpu]'`, or the docker/Dockerfile.gpu image)"
+)
+
+
+class ArtLocalConfig(BaseModel):
+    """ART's `_internal_config` (`art.dev.InternalModelConfig`): init_args, engine_args, ..."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="after")
+    def _known_keys(self) -> ArtLocalConfig:
+        known = set(art.dev.InternalModelConfig.__annotations__)
+        unknown = set(self.model_extra or {}) - known
+        if unknown:
+            raise ValueError(
+                f"unknown keys {sorted(unknown)}; ART's InternalModelConfig has {sorted(known)}"
+            )
+        return self
+
+
+class ArtServerlessConfig(BaseModel):
+    """ServerlessBackend models take no config."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+def create_local(data_dir: Path) -> Any:
+    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("unsloth") is None:
+        raise BackendError(GPU_HINT, transient=False)
+    import torch
+
+    if not torch.cuda.is_available():
+        raise BackendError(f"no CUDA device is visible; {GPU_HINT}", transient=False)
+    from art.local import LocalBackend
+
+    return LocalBackend(path=str(data_dir / "art"))
+
+
+def local_model(spec: ModelSpec, config: BaseModel) -> art.TrainableModel:
+    internal = config.model_dump(exclude_unset=True) or None
+    return art.TrainableModel(
+        name=spec.name,
+        project=spec.project,
+        base_model=spec.base_model,
+        _internal_config=internal,  # type: ignore[arg-type]
+    )
+
+
+def create_serverless(_data_dir: Path) -> Any:
+    if not os.environ.get("WANDB_API_KEY"):
+        raise BackendError(
+            "art-serverless trains on W&B's serverless service: set WANDB_API_KEY", transient=False
+        )
+    if importlib.util.find_spec("wandb") is None:
+        # openpipe-art 0.5.18's ServerlessBackend.train imports wandb unconditionally.
+        raise BackendError(
+            "art-serverless needs the wandb package: pip install wandb", transient=False
+        )
+    return art.ServerlessBackend()
+
+
+def serverless_model(spec: ModelSpec, _config: BaseModel) -> art.TrainableModel:
+    return art.TrainableModel(name=spec.name, project=spec.project, base_model=spec.base_model)

@@ -1,0 +1,193 @@
+"""`cpu`: Trainyard's reference trainer, an `art.Backend` that really trains on CPU.
+
+A policy-gradient step (group-normalized advantages, clipped importance ratio against the
+sampled logprobs, optional KL to the base model) on a LoRA adapter over a causal LM from a
+local directory, with torch + transformers + peft. Each step is a checkpoint directory
+laid out like ART's LocalBackend's; `_prepare_backend_for_training` serves the latest
+adapter as `name@step` on an OpenAI-compatible endpoint with logprobs. Made for small
+models: tests, the quick start, and laptops without a GPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import AsyncIterator, Iterable
+from pathlib import Path
+from typing import Any
+
+import art
+from pydantic import BaseModel, ConfigDict, Field
+
+from app.backends.base import TOTAL_KEY, report_gradient_step
+
+
+class CpuConfig(BaseModel):
+    """Model config of the cpu backend; `base_model` must be a local model directory."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_rank: int = Field(default=8, ge=1, le=256)
+    lora_alpha: int = Field(default=16, ge=1)
+    seed: int = Field(default=0, description="Seeds the adapter's initialization.")
+
+
+class CpuHyperparameters(BaseModel):
+    """Training keywords of the cpu backend."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    learning_rate: float = Field(default=1e-4, gt=0, le=1)
+    epsilon: float = Field(default=0.2, gt=0, le=10, description="Clip range of the ratio.")
+    kl_penalty_coef: float = Field(default=0.0, ge=0, description="Weight of KL to the base.")
+    scale_rewards: bool = Field(default=True, description="Divide advantages by the std.")
+    max_grad_norm: float = Field(default=1.0, gt=0)
+    allow_training_without_logprobs: bool = Field(
+        default=False, description="Train assistant turns without logprobs (re-tokenized)."
+    )
+
+
+class CpuBackend:
+    """Satisfies `art.Backend` structurally; one policy (and one adapter) per model."""
+
+    def __init__(self, path: Path, *, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.path = Path(path)
+        self.host, self.port = host, port
+        self._policies: dict[str, Any] = {}
+        self._server: Any = None
+
+    def _dir(self, model: art.Model) -> Path:
+        return self.path / model.project / "models" / model.name / "checkpoints"
+
+    def step_on_disk(self, model: art.Model) -> int:
+        steps = [int(p.name) for p in self._dir(model).glob("[0-9]*") if p.name.isdigit()]
+        return max(steps, default=0)
+
+    @property
+    def served(self) -> dict[str, tuple[art.Model, Any]]:
+        """Registered models by name, with their policies (what the endpoint serves)."""
+        return dict(self._policies)
+
+    def _model_inference_name(self, model: art.Model, step: int | None = None) -> str:
+        return f"{model.name}@{self.step_on_disk(model) if step is None else step}"
+
+    async def close(self) -> None:
+        if self._server is not None:
+            await asyncio.to_thread(self._server.stop)
+            self._server = None
+
+    async def register(self, model: art.Model) -> None:
+        if model.name in self._policies:
+            return
+        await asyncio.to_thread(self._register, model)
+
+    def _register(self, model: art.Model) -> None:
+        try:
+            from app.backends.cpu_policy import Policy
+        except ImportError as exc:
+            raise ValueError(
+                f"the cpu backend needs the cpu extra (`pip install '.[cpu]'`): {exc}"
+            ) from exc
+
+        config = model.config if isinstance(model.config, CpuConfig) else CpuConfig()
+        base = getattr(model, "base_model", "")
+        if not Path(base).is_dir():
+            raise ValueError(
+                f"the cpu backend loads models from local directories; {base!r} is not one "
+                "(make one with `trainyard make-tiny-model DIR`)"
+            )
+        policy = Policy(base, rank=config.lora_rank, alpha=config.lora_alpha, seed=config.seed)
+        if not self.sync(model, policy):
+            policy.save(self._dir(model) / "0000", 0)
+        self._policies[model.name] = (model, policy)
+
+    def sync(self, model: art.Model, policy: Any) -> bool:
+        """Load the newest checkpoint on disk if the adapter in memory is older (another
+        worker process trained it, or this one restarted). Call with `policy.lock` held."""
+        step = self.step_on_disk(model)
+        checkpoint = self._dir(model) / f"{step:04d}"
+        if not (checkpoint / "adapter_model.safetensors").exists():
+            return False
+        if step != policy.loaded_step:
+            policy.load(checkpoint, step)
+        return True
+
+    async def _get_step(self, model: art.TrainableModel) -> int:
+        return self.step_on_disk(model)
+
+    async def _delete_checkpoint_files(
+        self, model: art.TrainableModel, steps_to_keep: list[int]
+    ) -> None:
+        for path in self._dir(model).glob("[0-9]*"):
+            if path.name.isdigit() and int(path.name) not in steps_to_keep:
+                shutil.rmtree(path, ignore_errors=True)
+
+    async def _prepare_backend_for_training(
+        self, model: art.TrainableModel, config: Any = None
+    ) -> tuple[str, str]:
+        """Serve the model (with every other model of this backend) on one local endpoint."""
+        if self._server is None:
+            from app.backends.cpu_server import InferenceServer
+
+            self._server = InferenceServer(self, host=self.host, port=self.port)
+            await asyncio.to_thread(self._server.start)
+        return self._server.base_url, self._server.api_key
+
+    async def train(
+        self,
+        model: art.TrainableModel,
+        trajectory_groups: Iterable[art.TrajectoryGroup],
+        **kwargs: Any,
+    ) -> art.TrainResult:
+        hp = CpuHyperparameters.model_validate(kwargs)
+        _, policy = self._policies[model.name]
+        groups = list(trajectory_groups)
+        return await asyncio.to_thread(self._train, model, policy, groups, hp)
+
+    def _train(
+        self,
+        model: art.TrainableModel,
+        policy: Any,
+        groups: list[art.TrajectoryGroup],
+        hp: CpuHyperparameters,
+    ) -> art.TrainResult:
+        with policy.lock:
+            self.sync(model, policy)
+            batches = policy.sequences(
+                groups,
+                scale_rewards=hp.scale_rewards,
+                allow_without_logprobs=hp.allow_training_without_logprobs,
+            )
+            total = len(batches)
+            summary: dict[str, float] = {
+                "data/step_num_groups_submitted": len(groups),
+                "data/step_num_groups_trainable": total,
+                "data/step_num_trajectories": sum(len(g.trajectories) for g in groups),
+                "data/step_trainer_tokens": sum(len(t.completion_ids) for b in batches for t in b),
+                TOTAL_KEY: total,
+            }
+            samples = []
+            for batch in batches:
+                metrics = policy.step(
+                    batch,
+                    learning_rate=hp.learning_rate,
+                    epsilon=hp.epsilon,
+                    kl_penalty_coef=hp.kl_penalty_coef,
+                    max_grad_norm=hp.max_grad_norm,
+                )
+                samples.append(metrics)
+                report_gradient_step({**metrics, TOTAL_KEY: total})
+            step = self.step_on_disk(model) + 1
+            checkpoint = self._dir(model) / f"{step:04d}"
+            # Like ART: a step with nothing to learn still advances, as a copy of the last.
+            policy.save(checkpoint, step)
+        averaged = (
+            {k: sum(s[k] for s in samples) / len(samples) for k in samples[0]} if samples else {}
+        )
+        return art.types.LocalTrainResult(
+            step=step, metrics={**summary, **averaged}, checkpoint_path=str(checkpoint)
+        )
+
+    async def _train_sft(self, *args: Any, **kwargs: Any) -> AsyncIterator[dict[str, float]]:
+        raise NotImplementedError("the cpu backend does not do SFT")
+        yield {}

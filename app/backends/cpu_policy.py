@@ -1,0 +1,267 @@
+"""The `cpu` backend's model: a causal LM from a local directory with a LoRA adapter, how it
+samples (with logprobs, tokens as `token_id:N`) and how it takes a policy-gradient step.
+
+Everything here is synchronous torch code; `app.backends.cpu` runs it in threads, and one
+lock per model keeps sampling and training from interleaving (ART's shared-GPU mode has
+the same rule: no inference while a step trains).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from openai.types.chat.chat_completion import Choice
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class Sample:
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]
+    finish_reason: str
+
+
+@dataclass
+class Turn:
+    """One trainable assistant turn: its prompt, the sampled tokens and their advantage."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    old_logprobs: list[float] | None
+    advantage: float
+
+
+class Policy:
+    """A base model plus a LoRA adapter, its optimizer, and the lock that guards them."""
+
+    def __init__(self, base_model: str, *, rank: int, alpha: int, seed: int) -> None:
+        torch.manual_seed(seed)
+        self.tokenizer = AutoTokenizer.from_pretrained(base_model, local_files_only=True)
+        base = AutoModelForCausalLM.from_pretrained(base_model, local_files_only=True)
+        targets = [m for m in TARGET_MODULES if any(n.endswith(m) for n, _ in base.named_modules())]
+        config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0)
+        self.model: PeftModel = get_peft_model(base, config)
+        self.model.eval()
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.lock = threading.Lock()
+        self.loaded_step = 0  # the checkpoint step the adapter in memory comes from
+        self.eos_id = self.tokenizer.eos_token_id
+
+    # -- adapters on disk ---------------------------------------------------------------
+
+    def save(self, path: Path, step: int) -> None:
+        self.model.save_pretrained(str(path))
+        self.loaded_step = step
+        if self.optimizer is not None:
+            torch.save(self.optimizer.state_dict(), path / "optimizer.pt")
+
+    def load(self, path: Path, step: int) -> None:
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        set_peft_model_state_dict(self.model, load_file(str(path / "adapter_model.safetensors")))
+        self.optimizer = None  # rebuilt (and its state restored) on the next step
+        self._optimizer_state = path / "optimizer.pt"
+        self.loaded_step = step
+
+    # -- sampling -------------------------------------------------------------------------
+
+    def encode_prompt(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(
+            [{"role": m.get("role", "user"), "content": m.get("content") or ""} for m in messages],
+            add_generation_prompt=True,
+            tokenize=False,
+        )
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def token_text(self, token_id: int) -> str:
+        return str(self.tokenizer.decode([token_id]))
+
+    @torch.no_grad()
+    def sample(
+        self,
+        prompt_ids: list[int],
+        *,
+        n: int,
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        top_logprobs: int,
+        stop_ids: set[int],
+        seed: int | None,
+    ) -> list[Sample]:
+        """Sample `n` completions; logprobs are the model's own (before temperature), as
+        vLLM reports them by default."""
+        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        input_ids = torch.tensor([prompt_ids] * n)
+        past = None
+        samples = [Sample([], [], [], "length") for _ in range(n)]
+        active = list(range(n))
+        for _ in range(max_tokens):
+            out = self.model(input_ids=input_ids, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            logits = out.logits[:, -1, :].float()
+            logprobs = torch.log_softmax(logits, dim=-1)
+            chosen = _choose(logits, temperature, top_p, generator)
+            top = torch.topk(logprobs, k=top_logprobs) if top_logprobs else None
+            for row in list(active):
+                token = int(chosen[row])
+                sample = samples[row]
+                sample.token_ids.append(token)
+                sample.logprobs.append(float(logprobs[row, token]))
+                if top is not None:
+                    sample.top_logprobs.append(
+                        [
+                            (int(i), float(v))
+                            for v, i in zip(top.values[row], top.indices[row], strict=True)
+                        ]
+                    )
+                else:
+                    sample.top_logprobs.append([])
+                if token == self.eos_id or token in stop_ids:
+                    sample.finish_reason = "stop"
+                    active.remove(row)
+            if not active:
+                break
+            input_ids = chosen.unsqueeze(-1)
+        return samples
+
+    # -- training -------------------------------------------------------------------------
+
+    def sequences(
+        self, groups: Sequence[Any], *, scale_rewards: bool, allow_without_logprobs: bool
+    ) -> list[list[Turn]]:
+        """Turn trainable groups into token sequences with group-normalized advantages."""
+        batches = []
+        for group in groups:
+            rewards = [t.reward for t in group.trajectories]
+            if len(rewards) < 2 or len(set(rewards)) < 2:
+                continue  # zero advantage everywhere: GRPO learns nothing from it
+            mean = sum(rewards) / len(rewards)
+            std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
+            batch = []
+            for trajectory, reward in zip(group.trajectories, rewards, strict=True):
+                advantage = (reward - mean) / (std + 1e-6) if scale_rewards else reward - mean
+                if advantage != 0:
+                    batch += self._turns(trajectory, advantage, allow_without_logprobs)
+            if batch:
+                batches.append(batch)
+        return batches
+
+    def _turns(self, trajectory: Any, advantage: float, allow_without_logprobs: bool) -> list[Turn]:
+        context: list[dict[str, Any]] = []
+        turns = []
+        for item in trajectory.messages_and_choices:
+            if isinstance(item, Choice):
+                content = item.message.content or ""
+                if item.logprobs and item.logprobs.content:
+                    ids = [self._token_id(t.token) for t in item.logprobs.content]
+                    old = [t.logprob for t in item.logprobs.content]
+                    turns.append(Turn(self.encode_prompt(context), ids, old, advantage))
+                elif allow_without_logprobs:
+                    turns.append(self._retokenized(context, content, advantage))
+                context.append({"role": "assistant", "content": content})
+            else:
+                if item.get("role") == "assistant" and allow_without_logprobs:
+                    turns.append(self._retokenized(context, item.get("content") or "", advantage))
+                context.append(dict(item))
+        return turns
+
+    def _retokenized(self, context: list[dict[str, Any]], content: str, advantage: float) -> Turn:
+        ids = [*self.tokenizer(content, add_special_tokens=False)["input_ids"], self.eos_id]
+        return Turn(self.encode_prompt(context), ids, None, advantage)
+
+    def _token_id(self, token: str) -> int:
+        if token.startswith("token_id:"):
+            return int(token.split(":", 1)[1])
+        token_id = self.tokenizer.convert_tokens_to_ids(token)
+        assert isinstance(token_id, int)
+        return token_id
+
+    def step(
+        self,
+        batch: list[Turn],
+        *,
+        learning_rate: float,
+        epsilon: float,
+        kl_penalty_coef: float,
+        max_grad_norm: float,
+    ) -> dict[str, float]:
+        """One gradient step on one group's sequences (clipped importance-sampled PG)."""
+        optimizer = self._optimizer(learning_rate)
+        self.model.train()
+        optimizer.zero_grad()
+        losses, kls, ratios = [], [], []
+        for seq in batch:
+            new = self._completion_logprobs(seq)
+            old = torch.tensor(seq.old_logprobs) if seq.old_logprobs else new.detach()
+            ratio = torch.exp(new - old)
+            clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon)
+            loss = -torch.min(ratio * seq.advantage, clipped * seq.advantage)
+            if kl_penalty_coef > 0:
+                with self.model.disable_adapter(), torch.no_grad():
+                    ref = self._completion_logprobs(seq)
+                kl = torch.exp(ref - new) - (ref - new) - 1  # k3 estimator, >= 0
+                loss = loss + kl_penalty_coef * kl
+                kls.append(float(kl.mean()))
+            (loss.mean() / len(batch)).backward()
+            losses.append(float(loss.mean().detach()))
+            ratios.append(float(ratio.mean().detach()))
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            [p for p in self.model.parameters() if p.requires_grad], max_grad_norm
+        )
+        optimizer.step()
+        self.model.eval()
+        metrics = {
+            "loss/train": sum(losses) / len(losses),
+            "loss/grad_norm": float(grad_norm),
+            "loss/ratio": sum(ratios) / len(ratios),
+            "loss/learning_rate": learning_rate,
+        }
+        if kls:
+            metrics["loss/kl_policy_ref"] = sum(kls) / len(kls)
+        return metrics
+
+    def _completion_logprobs(self, seq: Turn) -> torch.Tensor:
+        ids = torch.tensor([seq.prompt_ids + seq.completion_ids])
+        logits = self.model(input_ids=ids).logits[0, :-1].float()
+        logprobs = torch.log_softmax(logits, dim=-1)
+        targets = ids[0, 1:]
+        picked = logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        return picked[len(seq.prompt_ids) - 1 :]
+
+    def _optimizer(self, learning_rate: float) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            self.optimizer = torch.optim.AdamW(params, lr=learning_rate, weight_decay=0.0)
+            state = getattr(self, "_optimizer_state", None)
+            if state is not None and Path(state).exists():
+                self.optimizer.load_state_dict(torch.load(state, weights_only=True))
+        for group in self.optimizer.param_groups:
+            group["lr"] = learning_rate
+        return self.optimizer
+
+
+def _choose(
+    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None
+) -> torch.Tensor:
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        keep = sorted_probs.cumsum(dim=-1) - sorted_probs < top_p
+        sorted_probs = sorted_probs * keep
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

@@ -1,0 +1,219 @@
+"""The cpu reference backend through the service: real sampling with logprobs from its
+endpoint, trajectories posted back, real policy-gradient steps on a tiny local model."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import httpx
+import pytest
+
+from app.backends.tiny_model import make_tiny_model
+from tests.backends import wait_final
+
+pytest.importorskip("torch")
+PROMPT = [{"role": "user", "content": "say yes"}]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+
+
+async def register(client: httpx.AsyncClient, base: Path, name: str = "toy") -> dict:
+    body = {"name": name, "project": "tests", "base_model": str(base), "backend": "cpu"}
+    assert (await client.post("/v1/models", json=body)).status_code == 201
+
+    async def served() -> dict:
+        return (await client.get(f"/v1/models/{name}")).json()
+
+    for _ in range(200):  # the worker registers it with the backend in the background
+        model = await served()
+        if model["inference_base_url"]:
+            return model
+        import asyncio
+
+        await asyncio.sleep(0.05)
+    raise AssertionError("the model was never served")
+
+
+async def sample(model: dict, n: int, **params) -> list[dict]:
+    async with httpx.AsyncClient(base_url=model["inference_base_url"], timeout=30) as client:
+        response = await client.post(
+            "/chat/completions",
+            json={
+                "model": model["inference_model_name"],
+                "messages": PROMPT,
+                "n": n,
+                "logprobs": True,
+                "top_logprobs": 2,
+                **params,
+            },
+        )
+    assert response.status_code == 200, response.text
+    return response.json()["choices"]
+
+
+def groups_of(choices: list[dict], target: str = "yes") -> tuple[list[dict], float]:
+    rewards = [1.0 if c["message"]["content"].strip() == target else 0.0 for c in choices]
+    group = {
+        "trajectories": [
+            {"messages_and_choices": [*PROMPT, choice], "reward": reward}
+            for choice, reward in zip(choices, rewards, strict=True)
+        ]
+    }
+    return [group], sum(rewards) / len(rewards)
+
+
+async def test_sample_train_and_serve_the_new_step(serve, tiny_model) -> None:
+    async with serve(worker_enabled=True) as live:
+        model = await register(live.client, tiny_model)
+        assert model["inference_model_name"] == "toy@0"
+        choices = await sample(model, n=8, max_tokens=3, seed=1)
+        first = choices[0]["logprobs"]["content"][0]
+        assert first["token"].startswith("token_id:")
+        assert math.isfinite(first["logprob"]) and first["logprob"] <= 0
+        assert len(first["top_logprobs"]) == 2
+        assert first["top_logprobs"][0]["logprob"] >= first["top_logprobs"][1]["logprob"]
+
+        probe = {"temperature": 0, "max_tokens": 1}
+        before = (await sample(model, n=1, **probe))[0]["logprobs"]["content"][0]
+        groups = [
+            {
+                "trajectories": [
+                    {"messages_and_choices": [*PROMPT, c], "reward": float(i % 2)}
+                    for i, c in enumerate(choices)
+                ]
+            }
+        ]
+        job = await live.client.post(
+            "/v1/training-jobs",
+            json={"model": "toy", "groups": groups, "hyperparameters": {"learning_rate": 0.05}},
+        )
+        assert job.status_code == 202, job.text
+        done = await wait_final(live.client, job.json()["id"], timeout=60)
+        model = (await live.client.get("/v1/models/toy")).json()
+        after = (await sample(model, n=1, **probe))[0]["logprobs"]["content"][0]
+        stale = await sample_status(model, "toy@0")
+
+    assert done["status"] == "succeeded", done["error"]
+    assert done["result"]["final_step"] == 1
+    assert done["progress"] == {"step": 1, "total": 1, "percent": 100.0}
+    assert Path(done["result"]["checkpoint_path"], "adapter_model.safetensors").exists()
+    assert model["current_step"] == 1 and model["inference_model_name"] == "toy@1"
+    assert after["logprob"] != pytest.approx(before["logprob"], abs=1e-6)
+    assert stale == 404
+
+
+async def sample_status(model: dict, name: str) -> int:
+    async with httpx.AsyncClient(base_url=model["inference_base_url"]) as client:
+        response = await client.post("/chat/completions", json={"model": name, "messages": PROMPT})
+    return response.status_code
+
+
+async def test_rollouts_and_steps_learn_the_rewarded_answer(serve, tiny_model) -> None:
+    """The toy task: the reward is 1 when the one-token answer is "yes"."""
+    async with serve(worker_enabled=True) as live:
+        model = await register(live.client, tiny_model, name="learner")
+        means = []
+        for _ in range(25):
+            choices = await sample(model, n=32, max_tokens=1, temperature=1.0)
+            groups, mean = groups_of(choices)
+            means.append(mean)
+            if mean > 0.8:
+                break
+            job = await live.client.post(
+                "/v1/training-jobs",
+                json={
+                    "model": "learner",
+                    "groups": groups,
+                    "hyperparameters": {"learning_rate": 0.02},
+                },
+            )
+            assert job.status_code == 202, job.text
+            assert (await wait_final(live.client, job.json()["id"], timeout=60))[
+                "status"
+            ] == "succeeded"
+            model = (await live.client.get("/v1/models/learner")).json()
+        fresh = await sample(model, n=64, max_tokens=1, temperature=1.0)
+    assert means[0] < 0.3, means
+    _, final = groups_of(fresh)
+    assert final > 0.8, [*means, final]
+
+
+async def test_progress_and_a_step_with_nothing_to_learn(serve, tiny_model) -> None:
+    async with serve(worker_enabled=True) as live:
+        model = await register(live.client, tiny_model)
+        choices = await sample(model, n=6, max_tokens=2)
+        varied = [
+            {
+                "trajectories": [
+                    {"messages_and_choices": [*PROMPT, c], "reward": r}
+                    for c, r in zip(choices[i : i + 2], (0.0, 1.0), strict=True)
+                ]
+            }
+            for i in (0, 2, 4)
+        ]
+        flat = [
+            {
+                "trajectories": [
+                    {"messages_and_choices": [*PROMPT, c], "reward": 0.5} for c in choices
+                ]
+            }
+        ]
+        one = await live.client.post("/v1/training-jobs", json={"model": "toy", "groups": varied})
+        two = await live.client.post("/v1/training-jobs", json={"model": "toy", "groups": flat})
+        trained = await wait_final(live.client, one.json()["id"], timeout=60)
+        skipped = await wait_final(live.client, two.json()["id"], timeout=60)
+        events = (await live.client.get(f"/v1/training-jobs/{one.json()['id']}/events")).json()
+    steps = [
+        (e["data"]["step"], e["data"]["total"])
+        for e in events["data"]
+        if e["type"] == "gradient_step"
+    ]
+    assert steps == [(1, 3), (2, 3), (3, 3)]
+    assert trained["result"]["metrics"]["data/step_num_groups_trainable"] == 3
+    assert skipped["status"] == "succeeded"
+    assert skipped["summary"]["untrainable_groups"] == [0]
+    assert skipped["result"]["final_step"] == 2  # advanced, like ART, though nothing trained
+    assert skipped["result"]["metrics"]["data/step_num_gradient_steps"] == 0
+
+
+async def test_cpu_hyperparameters_and_config_are_checked(serve, tiny_model) -> None:
+    async with serve() as live:
+        body = {
+            "name": "toy",
+            "base_model": str(tiny_model),
+            "backend": "cpu",
+            "config": {"lora_rank": 0},
+        }
+        bad_config = await live.client.post("/v1/models", json=body)
+        body["config"] = {}
+        await live.client.post("/v1/models", json=body)
+        bad = await live.client.post(
+            "/v1/training-jobs",
+            json={
+                "model": "toy",
+                "groups": [{"trajectories": []}],
+                "hyperparameters": {"loss_fn": "cispo"},
+            },
+        )
+    assert bad_config.status_code == 422
+    assert bad_config.json()["errors"][0]["path"] == "config.lora_rank"
+    assert bad.status_code == 422
+    assert "hyperparameters.loss_fn" in [e["path"] for e in bad.json()["errors"]]
+
+
+async def test_the_demo_model_is_ready_at_start(serve) -> None:
+    async with serve(worker_enabled=True, demo_model=True) as live:
+        for _ in range(200):
+            demo = (await live.client.get("/v1/models/demo")).json()
+            if demo.get("inference_base_url"):
+                break
+            import asyncio
+
+            await asyncio.sleep(0.05)
+        choices = await sample(demo, n=1, max_tokens=2)
+    assert demo["backend"] == "cpu" and demo["inference_model_name"] == "demo@0"
+    assert choices[0]["logprobs"]["content"]
