@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 
-from bench import ingest, queue
+from bench import cpu_step, ingest, queue
 
 
 def main() -> None:
     print("Trainyard benchmarks (ratios are against baselines measured in this same run)")
     ingest.run()
     asyncio.run(queue.main())
+    asyncio.run(cpu_step.run())
 
 
 if __name__ == "__main__":
