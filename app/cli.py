@@ -40,6 +40,8 @@ def serve(
     _logging(settings.log_level)
     uvicorn.run(
         create_app(settings),
+        # Open event streams would hold shutdown (and the worker's lease hand-back) forever.
+        timeout_graceful_shutdown=10,
         host=host or settings.host,
         port=port or settings.port,
         log_level=settings.log_level,

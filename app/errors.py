@@ -9,7 +9,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, OperationalError
+from sqlalchemy.exc import (
+    DataError,
+    DBAPIError,
+    IntegrityError,
+    InterfaceError,
+    OperationalError,
+)
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.status import HTTP_422_UNPROCESSABLE_CONTENT
 
@@ -170,19 +176,35 @@ def install(app: FastAPI) -> None:
             slug="conflict",
         )
 
-    @app.exception_handler(OperationalError)
-    @app.exception_handler(InterfaceError)
+    @app.exception_handler(DBAPIError)
     async def _database(request: Request, exc: DBAPIError) -> JSONResponse:
-        detail = "The database is busy" if _is_sqlite_busy(exc) else "The database is unavailable"
-        log.warning("database error on %s: %s", request.url.path, exc.orig)
-        return problem_response(
-            503,
-            "Service Unavailable",
-            detail,
-            request=request,
-            slug="database-unavailable",
-            headers={"Retry-After": "1"},
-        )
+        if isinstance(exc, OperationalError | InterfaceError):
+            detail = (
+                "The database is busy" if _is_sqlite_busy(exc) else "The database is unavailable"
+            )
+            log.warning("database error on %s: %s", request.url.path, exc.orig)
+            return problem_response(
+                503,
+                "Service Unavailable",
+                detail,
+                request=request,
+                slug="database-unavailable",
+                headers={"Retry-After": "1"},
+            )
+        if isinstance(exc, DataError) or str(getattr(exc.orig, "sqlstate", "")).startswith("22"):
+            # The database refused a value the schema let through (Postgres: a NUL
+            # character in a string, a number out of range): SQLSTATE class 22.
+            log.info("data error on %s: %s", request.url.path, exc.orig)
+            return problem_response(
+                422,
+                "Unprocessable Content",
+                "A value in the request cannot be stored (a NUL character in a string, or a "
+                "number out of range)",
+                request=request,
+                slug="validation-error",
+            )
+        log.exception("database error on %s %s", request.method, request.url.path)
+        return problem_response(500, "Internal Server Error", None, request=request)
 
     @app.exception_handler(OSError)
     async def _os_error(request: Request, exc: OSError) -> JSONResponse:

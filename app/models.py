@@ -82,7 +82,8 @@ class JobRow(Base):
     status: Mapped[str] = mapped_column(String(16), default=JobStatus.queued.value)
 
     # The accepted request: trajectories (zstd-compressed JSON) and its parameters.
-    payload: Mapped[bytes] = mapped_column(LargeBinary)
+    # Deferred: reading a job (GET, lists, streams) never loads the trajectories.
+    payload: Mapped[bytes] = mapped_column(LargeBinary, deferred=True)
     payload_format: Mapped[str] = mapped_column(String(64))
     payload_bytes: Mapped[int] = mapped_column(Integer)
     hyperparameters: Mapped[dict[str, Any]] = mapped_column(JSONType, default=dict)

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 from collections import defaultdict
+from collections.abc import Iterator
 from typing import Any
 
 import asyncpg
@@ -60,12 +61,14 @@ class Notifier:
         for waiter in self._event_waiters.get(job_id, ()):
             waiter.set()
 
-    async def wait_for_events(self, job_id: str, timeout: float) -> None:  # noqa: ASYNC109
+    @contextlib.contextmanager
+    def watch_events(self, job_id: str) -> Iterator[asyncio.Event]:
+        """An event set whenever `job_id` gets new events, from now until the block ends.
+        Clear it before reading, so a signal that arrives in between is never lost."""
         waiter = asyncio.Event()
         self._event_waiters[job_id].add(waiter)
         try:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(waiter.wait(), timeout)
+            yield waiter
         finally:
             waiters = self._event_waiters[job_id]
             waiters.discard(waiter)

@@ -243,7 +243,7 @@ def _art_choice_problem(item: dict[str, Any], require_logprobs: bool) -> _Proble
 
 def _art_message_problem(item: dict[str, Any], require_logprobs: bool) -> _Problem | None:
     role = item.get("role")
-    if role not in MESSAGE_ROLES:
+    if not isinstance(role, str) or role not in MESSAGE_ROLES:
         allowed = ", ".join(sorted(MESSAGE_ROLES))
         return ("role",), f"role must be one of {allowed}, got {role!r}", "invalid_role"
     if role == "tool" and not isinstance(item.get("tool_call_id"), str):

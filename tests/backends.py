@@ -72,3 +72,11 @@ async def wait_status(
             return job
         assert loop.time() < deadline, f"job {job_id} is {job['status']}, not {status}"
         await asyncio.sleep(0.05)
+
+
+class LostReplyBackend(DryRunBackend):
+    """Applies the step, then the reply is lost: the caller sees a connection reset."""
+
+    async def train(self, model: Any, trajectory_groups: Any, **kwargs: Any) -> art.TrainResult:
+        await super().train(model, trajectory_groups, **kwargs)
+        raise ConnectionResetError(104, "Connection reset by peer")

@@ -3,6 +3,7 @@ dry-run backend standing where the GPU would be."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 
@@ -415,3 +416,95 @@ async def test_training_jobs_need_the_api_key(serve) -> None:
     async with serve(api_keys="s3cret") as live:
         response = await f.submit(live.client)
     assert response.status_code == 401
+
+
+async def test_a_cancel_after_the_step_landed_reports_the_step(serve, recorder) -> None:
+    async with serve(worker_enabled=True, backend_overrides={"dry-run": recorder}) as live:
+        await f.create_model(live.client, seconds_after_step=2.0)
+        job = (await f.submit(live.client)).json()
+        checkpoint = recorder._dir(type("M", (), {"project": "tests", "name": "agent"})) / "0001"
+        for _ in range(200):
+            if checkpoint.exists():
+                break
+            await asyncio.sleep(0.02)
+        await live.client.post(f"/v1/training-jobs/{job['id']}/cancel")
+        done = await wait_final(live.client, job["id"])
+        model = (await live.client.get("/v1/models/agent")).json()
+    assert done["status"] == "succeeded"
+    assert done["result"]["recovered"] is True and done["result"]["final_step"] == 1
+    assert model["current_step"] == 1
+
+
+async def test_last_event_id_wins_over_the_after_query(worker_live) -> None:
+    job = (await f.submit(worker_live.client)).json()
+    await wait_final(worker_live.client, job["id"])
+    url = f"/v1/training-jobs/{job['id']}/events/stream?after=0"
+    response = await worker_live.client.get(url, headers={"Last-Event-ID": "3"})
+    assert parse_sse(response.text)[0]["id"] == 4
+
+
+@pytest.mark.parametrize(
+    ("method", "url", "kwargs"),
+    [
+        (
+            "get",
+            "/v1/training-jobs/{id}/events/stream",
+            {"headers": {"Last-Event-ID": "²".encode("latin-1")}},
+        ),
+        ("get", "/v1/training-jobs/{id}/events/stream", {"headers": {"Last-Event-ID": "9" * 5000}}),
+        ("get", "/v1/training-jobs/{id}/events", {"params": {"after": 10**20}}),
+        ("get", "/v1/training-jobs/{id}/events/stream", {"params": {"after": 10**20}}),
+        ("get", "/v1/models/a%00b", {}),
+        ("get", "/v1/training-jobs", {"params": {"model": "a\x00b"}}),
+        (
+            "post",
+            "/v1/training-jobs",
+            {
+                "content": b'{"model": "agent", "collection": '
+                b'{"run_id": "r", "trajectories": []}, "metadata": {"x": NaN}}',
+                "headers": {"content-type": "application/json"},
+            },
+        ),
+        (
+            "post",
+            "/v1/training-jobs",
+            {
+                "json": {
+                    "model": "agent",
+                    "groups": [
+                        {
+                            "trajectories": [
+                                {
+                                    "reward": 1,
+                                    "messages_and_choices": [{"role": ["user"], "content": "x"}],
+                                }
+                            ]
+                        }
+                    ],
+                }
+            },
+        ),
+    ],
+)
+async def test_hostile_input_is_a_4xx_never_a_500(worker_live, method, url, kwargs) -> None:
+    job = (await f.submit(worker_live.client)).json()
+    response = await getattr(worker_live.client, method)(url.format(id=job["id"]), **kwargs)
+    nul = "%00" in url or any("\x00" in str(v) for v in kwargs.get("params", {}).values())
+    if response.status_code == 200 and nul:
+        return  # SQLite stores and compares NUL characters; Postgres refuses them (422)
+    assert 400 <= response.status_code < 500, response.text
+    assert response.headers["content-type"] == "application/problem+json"
+
+
+async def test_concurrent_retries_with_one_key_all_get_the_same_job(worker_live) -> None:
+    body = {"model": "agent", "collection": f.nat_collection()}
+    responses = await asyncio.gather(
+        *(
+            worker_live.client.post(
+                "/v1/training-jobs", json=body, headers={"Idempotency-Key": "k"}
+            )
+            for _ in range(6)
+        )
+    )
+    assert {r.status_code for r in responses} == {202}
+    assert len({r.json()["id"] for r in responses}) == 1

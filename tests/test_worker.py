@@ -293,3 +293,61 @@ async def test_a_batch_claim_takes_one_job_per_model(env: Env) -> None:
     assert {c.model.name for c in claims} == {"a", "b", "c"}
     assert (await env.row(a2)).status == "queued"
     assert await queue.claim(env.engine, owner="test", lease_seconds=30, limit=3) == []
+
+
+async def test_an_error_after_the_step_landed_counts_the_step_once(make_settings, tmp_path) -> None:
+    from tests.backends import LostReplyBackend
+
+    async for env in _env(make_settings, LostReplyBackend(tmp_path / "lost")):
+        await env.model()
+        job_id = await env.job()
+        await env.worker.process(await env.claim())
+        row = await env.row(job_id)
+        assert (row.status, row.recovered, row.final_step) == ("succeeded", True, 1)
+        assert await env.claim() is None  # not queued again: it would train a second step
+
+
+async def test_a_retry_honours_a_cancel_asked_meanwhile(env: Env) -> None:
+    await env.model()
+    job_id = await env.job()
+    claim = await env.claim()
+    async with transaction(env.sessions) as session:
+        await session.execute(
+            update(JobRow).where(JobRow.id == job_id).values(cancel_requested=True)
+        )
+    status = await queue.retry_or_fail(
+        env.engine, claim.lease, error={"type": "X"}, max_attempts=3, retry_base_seconds=0
+    )
+    assert status == JobStatus.cancelled
+    assert (await env.row(job_id)).status == "cancelled"
+
+
+async def test_one_job_that_cannot_be_settled_does_not_stop_recovery(env: Env) -> None:
+    await env.model("good")
+    await env.model("broken")
+    good, broken = await env.job("good"), await env.job("broken")
+    await env.claim()
+    await env.claim()
+    for job_id in (good, broken):
+        await env.expire(job_id)
+    from app.models import ModelRow
+
+    async with transaction(env.sessions) as session:  # a stored config that no longer loads
+        await session.execute(
+            update(ModelRow)
+            .where(ModelRow.name == "broken")
+            .values(config={"seconds_per_step": "slow"})
+        )
+    assert await env.worker.recover_expired() == {good: "retried"}
+    assert (await env.row(broken)).status == "running"
+
+
+async def test_a_bad_payload_fails_with_its_own_error(env: Env) -> None:
+    await env.model()
+    job_id = await env.job()
+    async with transaction(env.sessions) as session:
+        await session.execute(update(JobRow).where(JobRow.id == job_id).values(payload=b"not zstd"))
+    await env.worker.process(await env.claim())
+    row = await env.row(job_id)
+    assert row.status == "failed" and row.attempts == 1
+    assert row.error["type"] == "ZstdError"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Annotated
 
@@ -19,6 +21,10 @@ from app.services import jobs as service
 router = APIRouter(
     prefix="/v1/training-jobs", tags=["training_jobs"], responses=problem_responses(401)
 )
+
+MAX_SEQ = 2**31 - 1  # event seqs are 32-bit integers in the database
+STREAM_SECONDS = 300.0  # a stream ends after this; EventSource clients resume by Last-Event-ID
+POLL_SECONDS = 2.0  # fallback when no wake-up arrives (another process, no LISTEN)
 
 IdempotencyKey = Annotated[
     str | None,
@@ -117,7 +123,9 @@ async def cancel(job_id: str, request: Request, session: Session) -> TrainingJob
 async def events(
     job_id: str,
     session: Session,
-    after: Annotated[int, Query(ge=0, description="Return events with seq > after.")] = 0,
+    after: Annotated[
+        int, Query(ge=0, le=MAX_SEQ, description="Return events with seq > after.")
+    ] = 0,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> Page[JobEvent]:
     await service.get_job(session, job_id)
@@ -132,7 +140,7 @@ async def events(
 def _last_event_id(value: str | None) -> int:
     if value is None or value == "":
         return 0
-    if not value.isdigit():
+    if not (value.isascii() and value.isdigit() and len(value) <= 10 and int(value) <= MAX_SEQ):
         raise InvalidInputError(
             "Last-Event-ID must be an event seq",
             errors=field_errors(
@@ -152,13 +160,19 @@ async def _stream_cursor(
     job_id: str,
     request: Request,
     last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
-    after: Annotated[int | None, Query(ge=0, description="Start after this seq.")] = None,
+    after: Annotated[
+        int | None, Query(ge=0, le=MAX_SEQ, description="Start after this seq.")
+    ] = None,
 ) -> int:
     # Runs before the stream starts, so a bad job id is still a plain 404. Its own short
     # session: a request-scoped one would stay open for the whole stream.
     async with request.app.state.sessions() as session:
         await service.get_job(session, job_id)
-    return after if after is not None else _last_event_id(last_event_id)
+    # A reconnecting EventSource repeats its URL (with any ?after=) and sends the header,
+    # which is the newer of the two.
+    if last_event_id is not None:
+        return _last_event_id(last_event_id)
+    return after or 0
 
 
 @router.get(
@@ -171,18 +185,24 @@ async def stream(
     job_id: str, request: Request, cursor: Annotated[int, Depends(_stream_cursor)]
 ) -> AsyncIterator[ServerSentEvent]:
     sessions = request.app.state.sessions
-    notifier = request.app.state.notifier
-    while True:
-        # A short session per poll: nothing stays open while the stream waits.
-        async with sessions() as session:
-            items, _ = await event_service.list_events(session, job_id, after=cursor, limit=500)
-            job = await service.get_job(session, job_id)
-        for item in items:
-            cursor = item.seq
-            yield ServerSentEvent(
-                id=str(item.seq), event=item.type, data=item.model_dump(mode="json")
-            )
-        if JobStatus(job.status).is_final and cursor >= job.last_event_seq:
-            return
-        if not items:
-            await notifier.wait_for_events(job_id, timeout=2.0)
+    loop = asyncio.get_running_loop()
+    ends_at = loop.time() + STREAM_SECONDS
+    with request.app.state.notifier.watch_events(job_id) as changed:
+        while True:
+            changed.clear()
+            # A short session per poll: nothing stays open while the stream waits.
+            async with sessions() as session:
+                items, _ = await event_service.list_events(session, job_id, after=cursor, limit=500)
+                job = await service.get_job(session, job_id)
+            for item in items:
+                cursor = item.seq
+                yield ServerSentEvent(
+                    id=str(item.seq), event=item.type, data=item.model_dump(mode="json")
+                )
+            if JobStatus(job.status).is_final and cursor >= job.last_event_seq:
+                return
+            if loop.time() >= ends_at:
+                return  # the client resumes from its Last-Event-ID
+            if not items:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changed.wait(), POLL_SECONDS)

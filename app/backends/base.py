@@ -75,7 +75,9 @@ _TRANSIENT = (ConnectionError, TimeoutError, asyncio.TimeoutError, httpx.Transpo
 def classify(exc: BaseException) -> BackendError:
     if isinstance(exc, BackendError):
         return exc
-    return BackendError(f"{type(exc).__name__}: {exc}", transient=isinstance(exc, _TRANSIENT))
+    error = BackendError(f"{type(exc).__name__}: {exc}", transient=isinstance(exc, _TRANSIENT))
+    error.__cause__ = exc
+    return error
 
 
 @dataclass(frozen=True)
@@ -126,8 +128,8 @@ class TrainerAdapter:
         async with self._lock:
             model = self._models.get(spec.name)
             if model is None:
-                model = self._model_factory(spec)
                 try:
+                    model = self._model_factory(spec)
                     await model.register(self.backend)
                 except Exception as exc:
                     raise classify(exc) from exc
@@ -141,9 +143,11 @@ class TrainerAdapter:
         except Exception as exc:
             raise classify(exc) from exc
 
-    async def inference(self, spec: ModelSpec) -> Inference:
+    async def inference(self, spec: ModelSpec, step: int | None = None) -> Inference:
+        """Where the model is served; pass `step` when it is known, to skip asking."""
         model = await self.model(spec)
-        step = await self.get_step(spec)
+        if step is None:
+            step = await self.get_step(spec)
         return Inference(
             base_url=model.inference_base_url or None,
             model_name=self.backend._model_inference_name(model, step),
@@ -158,7 +162,11 @@ class TrainerAdapter:
         on_progress: ProgressCallback | None = None,
     ) -> TrainOutcome:
         model = await self.model(spec)
-        kwargs = self.hyperparameters.model_validate(hyperparameters).model_dump(exclude_unset=True)
+        try:
+            parsed = self.hyperparameters.model_validate(hyperparameters)
+        except ValueError as exc:
+            raise classify(exc) from exc
+        kwargs = parsed.model_dump(exclude_unset=True)
         try:
             with progress_reporting(on_progress):
                 result = await self.backend.train(model, groups, **kwargs)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from datetime import datetime
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from app.models import JobStatus
 from app.schemas.trajectories import ArtTrajectoryGroup, TrajectoryCollection, TrajectorySummary
@@ -34,6 +35,21 @@ class TrainingJobCreate(BaseModel):
     metadata: dict[str, Any] = Field(
         default_factory=dict, description="Free-form labels, returned with the job."
     )
+
+    @field_validator("metadata", "hyperparameters")
+    @classmethod
+    def _finite_numbers(cls, value: dict[str, Any]) -> dict[str, Any]:
+        # JSON has no NaN or Infinity; Python's parser accepts them and Postgres refuses them.
+        stack: list[Any] = [value]
+        while stack:
+            item = stack.pop()
+            if isinstance(item, float) and not math.isfinite(item):
+                raise ValueError("numbers must be finite (no NaN or Infinity)")
+            if isinstance(item, dict):
+                stack.extend(item.values())
+            elif isinstance(item, list):
+                stack.extend(item)
+        return value
 
     @model_validator(mode="after")
     def _exactly_one_source(self) -> TrainingJobCreate:

@@ -130,7 +130,13 @@ async def create_training_job(
     try:
         await session.flush()
     except IntegrityError as exc:
-        # Another request with the same key won the race; the client should retry.
+        # A concurrent request with the same key committed first: answer as its replay.
+        await session.rollback()
+        await begin_write(session)
+        if idempotency_key is not None:
+            replay = await _replay(session, idempotency_key, request_hash)
+            if replay is not None:
+                return replay, True
         raise ConflictError("a request with this Idempotency-Key is in progress") from exc
     await append_event(session, job.id, "job_queued", {"summary": job.summary})
     await notify.send(session, notify.JOBS_CHANNEL, job.id)

@@ -240,6 +240,7 @@ async def finish(
     earlier_events: Sequence[Event] = (),
     model_update: dict[str, Any] | None = None,
     expired_before: datetime | None = None,
+    unless_cancel_requested: bool = False,
     **fields: Any,
 ) -> bool:
     """Final write of a job, guarded by the lease token. False: the lease was lost.
@@ -258,6 +259,8 @@ async def finish(
     guard = and_(_guard(lease), jobs.c.status == RUNNING)
     if expired_before is not None:
         guard = and_(guard, jobs.c.lease_expires_at < expired_before)
+    if unless_cancel_requested:
+        guard = and_(guard, jobs.c.cancel_requested.is_(False))
     async with write_connection(engine) as conn:
         events = [*earlier_events, (event, data)]
         if await _write(conn, lease, guard, values, events) is None:
@@ -304,8 +307,21 @@ async def retry_or_fail(
         not_before=utcnow() + timedelta(seconds=delay),
         lease_owner=None,
         expired_before=expired_before,
+        unless_cancel_requested=True,
     )
-    return JobStatus.queued if queued else None
+    if queued:
+        return JobStatus.queued
+    # Not queued again: the lease is gone, or someone asked to cancel meanwhile.
+    cancelled = await finish(
+        engine,
+        lease,
+        status=JobStatus.cancelled,
+        event="job_cancelled",
+        data={"while": "retrying", "error": error},
+        error=error,
+        expired_before=expired_before,
+    )
+    return JobStatus.cancelled if cancelled else None
 
 
 @dataclass(frozen=True)

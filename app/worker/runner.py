@@ -15,7 +15,7 @@ from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.backends import SPECS, Backends
-from app.backends.base import BackendError, ModelSpec
+from app.backends.base import ModelSpec
 from app.db import utcnow, write_connection
 from app.models import JobRow, JobStatus, ModelRow
 from app.notify import Notifier
@@ -25,6 +25,7 @@ from app.worker.queue import Claim, Lease
 from app.worker.training import run_training
 
 log = logging.getLogger(__name__)
+BACKEND_TIMEOUT = 30.0  # seconds the loop waits on a backend before moving on
 
 
 class Worker:
@@ -75,8 +76,8 @@ class Worker:
                     self._models_seen = self.notifier.models_version
                     await self.serve_models()
                 if loop.time() >= next_recovery:
-                    await self.recover_expired()
                     next_recovery = loop.time() + self.settings.lease_seconds / 3
+                    await self.recover_expired()
                 await self.fill()
             except Exception:  # the database may be restarting; keep the loop alive
                 log.exception("worker %s: loop iteration failed; retrying", self.id)
@@ -102,7 +103,7 @@ class Worker:
                 task = asyncio.create_task(self._process(claim), name=f"job:{lease.job_id}")
                 self.tasks[lease.job_id] = (lease, task)
             started += len(claims)
-            if len(claims) < free:
+            if not claims:
                 break
         return started
 
@@ -120,8 +121,13 @@ class Worker:
             self.notifier.jobs_changed()  # a slot is free; the model may have more jobs
 
     async def process(self, claim: Claim) -> None:
+        job_id = claim.lease.job_id
         await run_training(
-            claim, engine=self.engine, backends=self.backends, settings=self.settings
+            claim,
+            engine=self.engine,
+            backends=self.backends,
+            settings=self.settings,
+            signal=lambda: self.notifier.events_appended(job_id),
         )
 
     async def stop(self, grace: float = 10.0) -> None:
@@ -173,16 +179,18 @@ class Worker:
             self._served.add(row.name)
             spec = ModelSpec(row.name, row.project, row.base_model, row.config)
             try:
-                inference = await self.backends.get(row.backend).inference(spec)
-            except BackendError as exc:
+                adapter = self.backends.get(row.backend)
+                inference = await asyncio.wait_for(adapter.inference(spec), BACKEND_TIMEOUT)
+            except Exception as exc:
                 log.warning("model %s: cannot serve it yet: %s", row.name, exc)
                 continue
+            # Only where it is served: the step is the jobs' to write (a job may be
+            # finishing on another worker right now).
             async with write_connection(self.engine) as conn:
                 await conn.execute(
                     update(ModelRow)
                     .where(ModelRow.name == row.name)
                     .values(
-                        current_step=inference.step,
                         inference_base_url=inference.base_url,
                         inference_model_name=inference.model_name,
                     )
@@ -200,7 +208,8 @@ class Worker:
                 )
             ).one()
         spec = ModelSpec(model_name, model.project, model.base_model, model.config)
-        return await self.backends.get(model.backend).get_step(spec)
+        adapter = self.backends.get(model.backend)
+        return await asyncio.wait_for(adapter.get_step(spec), BACKEND_TIMEOUT)
 
     async def settle(
         self,
@@ -247,7 +256,12 @@ class Worker:
             retry_base_seconds=self.settings.retry_base_seconds,
             expired_before=expired_before,
         )
-        return {JobStatus.queued: "retried", JobStatus.failed: "failed", None: "skipped"}[status]
+        outcomes = {
+            JobStatus.queued: "retried",
+            JobStatus.failed: "failed",
+            JobStatus.cancelled: "cancelled",
+        }
+        return outcomes.get(status, "skipped") if status is not None else "skipped"
 
     async def recover_expired(self) -> dict[str, str]:
         now = utcnow()
@@ -265,10 +279,9 @@ class Worker:
                     },
                     expired_before=now,
                 )
-            except BackendError as exc:
-                log.warning(
-                    "job %s: cannot read the model's step yet: %s", expired.lease.job_id, exc
-                )
+                self.notifier.events_appended(expired.lease.job_id)
+            except Exception as exc:  # one bad job must not stop recovery of the others
+                log.warning("job %s: cannot settle it yet: %s", expired.lease.job_id, exc)
         return outcomes
 
     async def release(self, lease: Lease) -> None:

@@ -1,6 +1,8 @@
 """Run one claimed training job: load it, train through the adapter, apply the result.
 
 No database session is open while the backend works; every write is guarded by the lease.
+Whatever ends a training call (success, error, cancel), the backend's step decides what
+is written: a step that landed is counted once and never trained again.
 """
 
 from __future__ import annotations
@@ -8,14 +10,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.backends import Backends
-from app.backends.base import BackendError
+from app.backends.base import BackendError, ModelSpec, TrainerAdapter, classify
 from app.models import JobStatus
 from app.services.events import Event
 from app.services.jobs import load_groups
@@ -28,6 +31,7 @@ log = logging.getLogger(__name__)
 # Payloads above this are decoded in a thread so the event loop keeps serving.
 _THREAD_BYTES = 1 << 20
 PROGRESS_SECONDS = 0.25
+STEP_TIMEOUT = 30.0
 
 
 @dataclass
@@ -58,9 +62,23 @@ def error_dict(exc: BackendError) -> dict[str, Any]:
     }
 
 
+async def step_or_none(adapter: TrainerAdapter, model: ModelSpec) -> int | None:
+    """The backend's step, or None when it cannot say right now."""
+    try:
+        return await asyncio.wait_for(adapter.get_step(model), STEP_TIMEOUT)
+    except (BackendError, TimeoutError):
+        return None
+
+
 async def run_training(
-    claim: Claim, *, engine: AsyncEngine, backends: Backends, settings: Settings
+    claim: Claim,
+    *,
+    engine: AsyncEngine,
+    backends: Backends,
+    settings: Settings,
+    signal: Callable[[], None] = lambda: None,
 ) -> None:
+    """`signal` is called after each write of events (wakes this process's streams)."""
     lease = claim.lease
     try:
         adapter = backends.get(claim.backend)
@@ -69,61 +87,129 @@ async def run_training(
         else:
             groups = load_groups(claim.payload, claim.payload_bytes)
         start_step = await adapter.get_step(claim.model)
-    except BackendError as exc:
-        await _failed(engine, claim, exc, settings)
+    except Exception as exc:  # nothing was trained: record the real error
+        await _failed(engine, claim, classify(exc), settings)
+        signal()
         return
     if not await queue.record_start(
         engine, lease, start_step=start_step, data={"groups": len(groups)}
     ):
         log.warning("job %s: lease lost before training; discarding", lease.job_id)
         return
+    signal()
     progress = _Progress()
     train = asyncio.create_task(
         adapter.train(claim.model, groups, claim.hyperparameters, on_progress=progress),
         name=f"train:{lease.job_id}",
     )
     try:
-        outcome = await _supervise(train, lease, progress, engine, settings)
-    except BackendError as exc:
-        await _failed(engine, claim, exc, settings)
+        outcome = await _supervise(train, lease, progress, engine, settings, signal)
+    except Exception as exc:
+        # The step may have landed before the error (a reply lost on the way back): then
+        # it counts, and is never trained again.
+        step = await step_or_none(adapter, claim.model)
+        if step is not None and step > start_step:
+            await _succeeded(
+                engine,
+                claim,
+                adapter,
+                start_step,
+                step,
+                progress,
+                recovered=True,
+                note=f"{type(exc).__name__}: {exc}",
+            )
+        elif step is not None:
+            await _failed(engine, claim, classify(exc), settings, progress.take())
+        # else: the lease lapses and recovery asks the backend again later
+        signal()
         return
+    finally:
+        if not train.done():
+            await _stop(train)
     if outcome == "lost":
         log.warning("job %s: lease lost while training; result discarded", lease.job_id)
         return
     if outcome == "cancelled":
-        await queue.finish(
-            engine,
-            lease,
-            status=JobStatus.cancelled,
-            event="job_cancelled",
-            data={"while": "running", "step": progress.step},
-            earlier_events=progress.take(),
-        )
+        step = await step_or_none(adapter, claim.model)
+        if step is not None and step > start_step:  # the cancel came after the step landed
+            await _succeeded(
+                engine,
+                claim,
+                adapter,
+                start_step,
+                step,
+                progress,
+                recovered=True,
+                note="cancel arrived after the step landed",
+            )
+        else:
+            await queue.finish(
+                engine,
+                lease,
+                status=JobStatus.cancelled,
+                event="job_cancelled",
+                data={"while": "running", "step": progress.step},
+                earlier_events=progress.take(),
+            )
+        signal()
         return
     result = train.result()
-    model_update: dict[str, Any] = {"current_step": result.step}
+    await _succeeded(
+        engine,
+        claim,
+        adapter,
+        start_step,
+        result.step,
+        progress,
+        metrics=result.metrics,
+        checkpoint_path=result.checkpoint_path,
+        trained=result.trained,
+    )
+    signal()
+
+
+async def _succeeded(
+    engine: AsyncEngine,
+    claim: Claim,
+    adapter: TrainerAdapter,
+    start_step: int,
+    step: int,
+    progress: _Progress,
+    *,
+    metrics: dict[str, float] | None = None,
+    checkpoint_path: str | None = None,
+    trained: bool = True,
+    recovered: bool = False,
+    note: str | None = None,
+) -> None:
+    model_update: dict[str, Any] = {"current_step": step}
     with contextlib.suppress(BackendError):
-        inference = await adapter.inference(claim.model)
+        inference = await adapter.inference(claim.model, step=step)
         model_update |= {
             "inference_base_url": inference.base_url,
             "inference_model_name": inference.model_name,
         }
+    data: dict[str, Any] = {
+        "start_step": start_step,
+        "final_step": step,
+        "trained": trained,
+        "metrics": metrics or {},
+    }
+    if recovered:
+        data |= {"recovered": True, "note": note}
     await queue.finish(
         engine,
-        lease,
+        claim.lease,
         status=JobStatus.succeeded,
         event="training_ended",
-        data={
-            "start_step": start_step,
-            "final_step": result.step,
-            "trained": result.trained,
-            "metrics": result.metrics,
-        },
+        data=data,
         earlier_events=progress.take(),
         model_update=model_update,
-        final_step=result.step,
-        metrics=result.metrics,
-        checkpoint_path=result.checkpoint_path,
+        final_step=step,
+        metrics=metrics,
+        checkpoint_path=checkpoint_path,
+        recovered=recovered,
         progress_step=progress.step,
         progress_total=progress.total if progress.total is not None else progress.step,
         error=None,
@@ -136,60 +222,60 @@ async def _supervise(
     progress: _Progress,
     engine: AsyncEngine,
     settings: Settings,
+    signal: Callable[[], None],
 ) -> str:
     """Heartbeat until training ends. Returns "done", "cancelled" or "lost"."""
     loop = asyncio.get_running_loop()
-    next_beat = loop.time() + settings.heartbeat_seconds
-    renewed = loop.time()
-    try:
-        while True:
-            # Wake for the end of training, the next heartbeat, or new progress; progress is
-            # written at most every PROGRESS_SECONDS, so fast steps batch into one write.
-            wake_at = next_beat
-            waiting: set[asyncio.Future[Any]] = {train}
-            if progress.events:
-                wake_at = min(wake_at, renewed + PROGRESS_SECONDS)
-            else:
-                waiting.add(asyncio.ensure_future(progress.dirty.wait()))
-            await asyncio.wait(
-                waiting,
-                timeout=max(0.0, wake_at - loop.time()),
-                return_when=asyncio.FIRST_COMPLETED,
+    renewed = loop.time()  # when the lease was last known to be extended
+    next_beat = renewed + settings.heartbeat_seconds
+    next_write = renewed  # progress is written at most every PROGRESS_SECONDS
+    while True:
+        # Wake for the end of training, the next heartbeat, or new progress; fast steps
+        # batch into one write.
+        wake_at = next_beat
+        waiting: set[asyncio.Future[Any]] = {train}
+        if progress.events:
+            wake_at = min(wake_at, next_write)
+        else:
+            waiting.add(asyncio.ensure_future(progress.dirty.wait()))
+        await asyncio.wait(
+            waiting, timeout=max(0.0, wake_at - loop.time()), return_when=asyncio.FIRST_COMPLETED
+        )
+        for waiter in waiting - {train}:
+            waiter.cancel()
+        if train.done():
+            train.result()  # raises the backend's error, if any
+            return "done"  # pending progress events go out with the final write
+        if loop.time() < wake_at and not (progress.events and loop.time() >= next_write):
+            continue
+        events = progress.take()
+        attempt = loop.time()
+        try:
+            beat = await queue.heartbeat(
+                engine,
+                lease,
+                lease_seconds=settings.lease_seconds,
+                progress=(progress.step, progress.total),
+                events=events,
             )
-            for waiter in waiting - {train}:
-                waiter.cancel()
-            if progress.events and not train.done() and loop.time() < wake_at:
-                continue  # progress arrived; write it when its turn comes
-            if train.done():
-                train.result()  # raises the backend's error, if any
-                return "done"  # pending progress events go out with the final write
-            events = progress.take()
-            try:
-                beat = await queue.heartbeat(
-                    engine,
-                    lease,
-                    lease_seconds=settings.lease_seconds,
-                    progress=(progress.step, progress.total),
-                    events=events,
-                )
-            except (OSError, DBAPIError) as exc:
-                # The database is away (restart, failover): keep training while the lease
-                # may still be ours, and try again soon.
-                progress.events[:0] = events
-                if loop.time() - renewed > settings.lease_seconds:
-                    await _stop(train)
-                    return "lost"
-                log.warning("job %s: heartbeat failed (%s); retrying", lease.job_id, exc)
-                next_beat = loop.time() + min(1.0, settings.heartbeat_seconds)
-                continue
-            renewed = loop.time()
-            next_beat = renewed + settings.heartbeat_seconds
-            if not beat.alive or beat.cancel_requested:
-                await _stop(train)
-                return "lost" if not beat.alive else "cancelled"
-    except asyncio.CancelledError:
-        await _stop(train)
-        raise
+        except (OSError, SQLAlchemyError) as exc:
+            # The database is away (restart, failover): keep training while the lease may
+            # still be ours, and try again soon.
+            progress.events[:0] = events
+            if loop.time() - renewed > 0.8 * settings.lease_seconds:
+                return "lost"
+            log.warning("job %s: heartbeat failed (%s); retrying", lease.job_id, exc)
+            next_beat = next_write = loop.time() + min(1.0, settings.heartbeat_seconds)
+            continue
+        renewed = attempt
+        next_beat = renewed + settings.heartbeat_seconds
+        next_write = renewed + PROGRESS_SECONDS
+        if events:
+            signal()
+        if not beat.alive:
+            return "lost"
+        if beat.cancel_requested:
+            return "cancelled"
 
 
 async def _stop(train: asyncio.Task[Any]) -> None:
@@ -198,7 +284,13 @@ async def _stop(train: asyncio.Task[Any]) -> None:
         await train
 
 
-async def _failed(engine: AsyncEngine, claim: Claim, exc: BackendError, settings: Settings) -> None:
+async def _failed(
+    engine: AsyncEngine,
+    claim: Claim,
+    exc: BackendError,
+    settings: Settings,
+    earlier_events: list[Event] | None = None,
+) -> None:
     lease, error = claim.lease, error_dict(exc)
     log.warning("job %s attempt %d failed: %s", lease.job_id, lease.attempt, exc)
     if exc.transient:
@@ -217,4 +309,5 @@ async def _failed(engine: AsyncEngine, claim: Claim, exc: BackendError, settings
             event="training_failed",
             data={"error": error, "attempt": lease.attempt},
             error=error,
+            earlier_events=earlier_events or (),
         )
