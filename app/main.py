@@ -12,7 +12,7 @@ from fastapi.routing import APIRoute
 from pydantic.json_schema import models_json_schema
 
 from app import __version__, errors
-from app.api import health, models, training_jobs
+from app.api import health, models, rollout_jobs, training_jobs
 from app.api.deps import require_api_key
 from app.backends import Backends
 from app.db import create_engine, create_sessionmaker
@@ -93,6 +93,7 @@ def create_app(
     app.include_router(models.router, dependencies=protected)
     app.include_router(models.backends_router, dependencies=protected)
     app.include_router(training_jobs.router, dependencies=protected)
+    app.include_router(rollout_jobs.router, dependencies=protected)
     _document_problems(app)
     return app
 

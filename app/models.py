@@ -39,6 +39,7 @@ FINAL_STATUSES = frozenset({JobStatus.succeeded, JobStatus.failed, JobStatus.can
 
 class JobKind(enum.StrEnum):
     training = "training"
+    rollout = "rollout"
 
 
 class ModelRow(Base):
@@ -110,6 +111,11 @@ class JobRow(Base):
     metrics: Mapped[dict[str, Any] | None] = mapped_column(JSONType)
     error: Mapped[dict[str, Any] | None] = mapped_column(JSONType)
     recovered: Mapped[bool] = mapped_column(Boolean, default=False)
+    # What a rollout job built (zstd JSON of ART-style groups), and the training job it
+    # enqueued with them, if asked to.
+    output: Mapped[bytes | None] = mapped_column(LargeBinary, deferred=True)
+    output_bytes: Mapped[int | None] = mapped_column(Integer)
+    next_job_id: Mapped[str | None] = mapped_column(String(40))
     last_event_seq: Mapped[int] = mapped_column(Integer, default=0)
 
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)

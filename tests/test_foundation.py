@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from app.main import create_app
+from app.migrate import head_revision
 from app.settings import Settings
 from tests.factories import model_body
 
@@ -35,7 +36,7 @@ async def test_readyz_names_every_check_when_ready(serve) -> None:
     body = response.json()
     assert body["status"] == "ready"
     assert set(body["checks"]) == {"database", "worker", "backends"}
-    assert "head 0001" in body["checks"]["database"]["detail"]
+    assert f"head {head_revision()}" in body["checks"]["database"]["detail"]
 
 
 async def test_readyz_is_503_naming_the_database_when_it_is_unreachable(serve, tmp_path) -> None:

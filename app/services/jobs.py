@@ -171,13 +171,19 @@ def load_groups(payload: bytes, payload_bytes: int) -> list[art.TrajectoryGroup]
     return groups_to_art(body.groups)
 
 
-async def get_job(session: AsyncSession, job_id: str, *, for_update: bool = False) -> JobRow:
-    query = select(JobRow).where(JobRow.id == job_id, JobRow.kind == JobKind.training.value)
+async def get_job(
+    session: AsyncSession,
+    job_id: str,
+    *,
+    kind: JobKind = JobKind.training,
+    for_update: bool = False,
+) -> JobRow:
+    query = select(JobRow).where(JobRow.id == job_id, JobRow.kind == kind.value)
     if for_update:
         query = query.with_for_update()
     job = await session.scalar(query)
     if job is None:
-        raise NotFoundError(f"no training job {job_id!r}")
+        raise NotFoundError(f"no {kind.value} job {job_id!r}")
     return job
 
 
@@ -188,12 +194,10 @@ async def list_jobs(
     model: str | None,
     after: str | None,
     limit: int,
+    kind: JobKind = JobKind.training,
 ) -> tuple[list[JobRow], bool]:
     query = (
-        select(JobRow)
-        .where(JobRow.kind == JobKind.training.value)
-        .order_by(JobRow.id.desc())
-        .limit(limit + 1)
+        select(JobRow).where(JobRow.kind == kind.value).order_by(JobRow.id.desc()).limit(limit + 1)
     )
     if status is not None:
         query = query.where(JobRow.status == status.value)
@@ -205,10 +209,12 @@ async def list_jobs(
     return list(rows[:limit]), len(rows) > limit
 
 
-async def cancel_job(session: AsyncSession, job_id: str) -> JobRow:
+async def cancel_job(
+    session: AsyncSession, job_id: str, *, kind: JobKind = JobKind.training
+) -> JobRow:
     """Queued: cancelled now. Running: flagged; its worker interrupts it. Finished: 409."""
     await begin_write(session)
-    job = await get_job(session, job_id, for_update=True)
+    job = await get_job(session, job_id, kind=kind, for_update=True)
     status = JobStatus(job.status)
     if status.is_final:
         raise ConflictError(f"job {job_id} already {status.value}; it cannot be cancelled")

@@ -18,6 +18,7 @@ from sqlalchemy import Table, and_, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from app import notify
 from app.backends.base import ModelSpec
 from app.db import utcnow, write_connection
 from app.models import JobRow, JobStatus, ModelRow, WorkerRow
@@ -241,6 +242,7 @@ async def finish(
     model_update: dict[str, Any] | None = None,
     expired_before: datetime | None = None,
     unless_cancel_requested: bool = False,
+    new_job: dict[str, Any] | None = None,
     **fields: Any,
 ) -> bool:
     """Final write of a job, guarded by the lease token. False: the lease was lost.
@@ -265,6 +267,10 @@ async def finish(
         events = [*earlier_events, (event, data)]
         if await _write(conn, lease, guard, values, events) is None:
             return False
+        if new_job is not None:  # a job this one enqueues, in the same transaction
+            await conn.execute(insert(jobs).values(**new_job, last_event_seq=1))
+            await add_events(conn, new_job["id"], 1, [("job_queued", {"after": lease.job_id})])
+            await notify.send(conn, notify.JOBS_CHANNEL, new_job["id"])
         if model_update:
             await conn.execute(
                 update(models).where(models.c.name == lease.model_name).values(**model_update)

@@ -17,11 +17,12 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from app.backends import SPECS, Backends
 from app.backends.base import ModelSpec
 from app.db import utcnow, write_connection
-from app.models import JobRow, JobStatus, ModelRow
+from app.models import JobKind, JobRow, JobStatus, ModelRow
 from app.notify import Notifier
 from app.settings import Settings
 from app.worker import queue
 from app.worker.queue import Claim, Lease
+from app.worker.rollout import run_rollout
 from app.worker.training import run_training
 
 log = logging.getLogger(__name__)
@@ -122,7 +123,8 @@ class Worker:
 
     async def process(self, claim: Claim) -> None:
         job_id = claim.lease.job_id
-        await run_training(
+        run = run_rollout if claim.lease.kind == JobKind.rollout.value else run_training
+        await run(
             claim,
             engine=self.engine,
             backends=self.backends,

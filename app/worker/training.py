@@ -35,9 +35,14 @@ STEP_TIMEOUT = 30.0
 
 
 @dataclass
-class _Progress:
-    """Gradient-step progress collected from the backend, flushed on the next write."""
+class Progress:
+    """Progress reported by the work, flushed (as events) with the next write.
 
+    `coalesce`: keep only the newest event between writes (rollouts report every sample).
+    """
+
+    event: str = "gradient_step"
+    coalesce: bool = False
     step: int = 0
     total: int | None = None
     events: list[Event] = field(default_factory=list)
@@ -45,7 +50,9 @@ class _Progress:
 
     def __call__(self, step: int, total: int | None, metrics: dict[str, float]) -> None:
         self.step, self.total = step, total
-        self.events.append(("gradient_step", {"step": step, "total": total, "metrics": metrics}))
+        if self.coalesce:
+            self.events.clear()
+        self.events.append((self.event, {"step": step, "total": total, "metrics": metrics}))
         self.dirty.set()
 
     def take(self) -> list[Event]:
@@ -88,7 +95,7 @@ async def run_training(
             groups = load_groups(claim.payload, claim.payload_bytes)
         start_step = await adapter.get_step(claim.model)
     except Exception as exc:  # nothing was trained: record the real error
-        await _failed(engine, claim, classify(exc), settings)
+        await failed(engine, claim, classify(exc), settings)
         signal()
         return
     if not await queue.record_start(
@@ -97,13 +104,13 @@ async def run_training(
         log.warning("job %s: lease lost before training; discarding", lease.job_id)
         return
     signal()
-    progress = _Progress()
+    progress = Progress()
     train = asyncio.create_task(
         adapter.train(claim.model, groups, claim.hyperparameters, on_progress=progress),
         name=f"train:{lease.job_id}",
     )
     try:
-        outcome = await _supervise(train, lease, progress, engine, settings, signal)
+        outcome = await supervise(train, lease, progress, engine, settings, signal)
     except Exception as exc:
         # The step may have landed before the error (a reply lost on the way back): then
         # it counts, and is never trained again.
@@ -120,7 +127,7 @@ async def run_training(
                 note=f"{type(exc).__name__}: {exc}",
             )
         elif step is not None:
-            await _failed(engine, claim, classify(exc), settings, progress.take())
+            await failed(engine, claim, classify(exc), settings, progress.take())
         # else: the lease lapses and recovery asks the backend again later
         signal()
         return
@@ -175,7 +182,7 @@ async def _succeeded(
     adapter: TrainerAdapter,
     start_step: int,
     step: int,
-    progress: _Progress,
+    progress: Progress,
     *,
     metrics: dict[str, float] | None = None,
     checkpoint_path: str | None = None,
@@ -216,10 +223,10 @@ async def _succeeded(
     )
 
 
-async def _supervise(
+async def supervise(
     train: asyncio.Task[Any],
     lease: Lease,
-    progress: _Progress,
+    progress: Progress,
     engine: AsyncEngine,
     settings: Settings,
     signal: Callable[[], None],
@@ -284,7 +291,7 @@ async def _stop(train: asyncio.Task[Any]) -> None:
         await train
 
 
-async def _failed(
+async def failed(
     engine: AsyncEngine,
     claim: Claim,
     exc: BackendError,

@@ -1,0 +1,1 @@
+"""Rollout jobs' building blocks: graders that score answers, a pooled sampling client."""

@@ -1,0 +1,232 @@
+"""Rollout jobs end to end on the cpu backend: sample, grade, group, train."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from app.backends.tiny_model import make_tiny_model
+from tests.conftest import LiveServer
+
+pytest.importorskip("torch")
+EXAMPLES = [
+    {"id": "yes", "messages": [{"role": "user", "content": "say yes"}], "expected": "yes"},
+    {
+        "id": 2,
+        "messages": [
+            {"role": "system", "content": "answer in one word"},
+            {"role": "user", "content": "say no"},
+        ],
+        "expected": "no",
+    },
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("rollout-models") / "tiny")
+
+
+async def wait_job(client: httpx.AsyncClient, url: str, timeout: float = 60) -> dict:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        job = (await client.get(url)).json()
+        if job["status"] in {"succeeded", "failed", "cancelled"}:
+            return job
+        assert loop.time() < deadline, job
+        await asyncio.sleep(0.05)
+
+
+async def cpu_model(client: httpx.AsyncClient, base: Path, name: str = "toy") -> None:
+    response = await client.post(
+        "/v1/models", json={"name": name, "base_model": str(base), "backend": "cpu"}
+    )
+    assert response.status_code == 201, response.text
+
+
+async def test_graded_rollout_builds_groups_with_logprobs_and_trains(serve, tiny_model) -> None:
+    async with serve(worker_enabled=True) as live:
+        await cpu_model(live.client, tiny_model)
+        response = await live.client.post(
+            "/v1/rollout-jobs",
+            json={
+                "model": "toy",
+                "examples": EXAMPLES,
+                "num_generations": 6,
+                "sampling": {"max_tokens": 1, "temperature": 1.0},
+                "grader": {"type": "exact_match"},
+                "train": {"hyperparameters": {"learning_rate": 0.02}},
+            },
+        )
+        assert response.status_code == 202, response.text
+        assert response.headers["location"] == f"/v1/rollout-jobs/{response.json()['id']}"
+        job = await wait_job(live.client, response.headers["location"])
+        collection = (await live.client.get(f"/v1/rollout-jobs/{job['id']}/trajectories")).json()
+        training = await wait_job(live.client, f"/v1/training-jobs/{job['training_job_id']}")
+        model = (await live.client.get("/v1/models/toy")).json()
+        events = (await live.client.get(f"/v1/rollout-jobs/{job['id']}/events")).json()
+
+    assert job["status"] == "succeeded", job["error"]
+    assert job["summary"]["num_samples"] == 12 and job["summary"]["num_graded"] == 12
+    assert job["progress"]["step"] == 12 and job["progress"]["total"] == 12
+    assert collection["run_id"] == job["id"]
+    assert [len(group) for group in collection["trajectories"]] == [6, 6]
+    answer = collection["trajectories"][1][0]["episode"][-1]
+    assert answer["role"] == "assistant"
+    assert answer["logprobs"]["content"][0]["token"].startswith("token_id:")
+    assert collection["trajectories"][1][0]["episode"][0]["role"] == "system"
+    rewards = {t["reward"] for g in collection["trajectories"] for t in g}
+    assert rewards <= {0.0, 1.0}
+    assert training["status"] == "succeeded", training["error"]
+    assert training["metadata"] == {"rollout_job": job["id"]}
+    assert model["current_step"] == 1
+    types = [e["type"] for e in events["data"]]
+    assert types[0] == "job_queued" and types[-1] == "rollout_ended"
+    assert "rollout_progress" in types
+
+
+async def test_webhook_grader_and_its_errors(serve, tiny_model) -> None:
+    grader = FastAPI()
+    seen: list[dict[str, Any]] = []
+
+    @grader.post("/grade")
+    async def grade(body: dict[str, Any]) -> Any:
+        seen.append(body)
+        if body["generation"] == 0:
+            return {"oops": True}  # a bad answer from the grader: recorded, not fatal
+        return {"reward": float(len(body["answer"]) % 2), "reasoning": "parity"}
+
+    async with LiveServer(grader) as grading, serve(worker_enabled=True) as live:
+        await cpu_model(live.client, tiny_model)
+        response = await live.client.post(
+            "/v1/rollout-jobs",
+            json={
+                "model": "toy",
+                "examples": EXAMPLES[:1],
+                "num_generations": 4,
+                "sampling": {"max_tokens": 2},
+                "grader": {"type": "webhook", "url": f"{grading.url}/grade"},
+            },
+        )
+        job = await wait_job(live.client, response.headers["location"])
+        collection = (await live.client.get(f"/v1/rollout-jobs/{job['id']}/trajectories")).json()
+    assert job["status"] == "succeeded", job["error"]
+    assert job["summary"]["num_graded"] == 3 and job["summary"]["num_errors"] == 1
+    assert len(seen) == 4 and seen[0]["example"]["id"] == "yes"
+    assert len(collection["trajectories"][0]) == 3
+    assert "reward" in job["summary"]["errors"][0]
+    assert collection["trajectories"][0][0]["metadata"]["reasoning"] == "parity"
+
+
+async def test_agent_rollout_runs_the_agents_own_episode(serve, tiny_model) -> None:
+    agent = FastAPI()
+    calls: list[dict[str, Any]] = []
+
+    @agent.post("/episode")
+    async def episode(body: dict[str, Any]) -> dict[str, Any]:
+        calls.append(body)
+        model = body["model"]
+        messages = body["example"]["messages"]
+        async with httpx.AsyncClient(base_url=model["base_url"]) as client:
+            completion = (
+                await client.post(
+                    "/chat/completions",
+                    json={
+                        "model": model["name"],
+                        "messages": messages,
+                        "max_tokens": 2,
+                        "logprobs": True,
+                    },
+                )
+            ).json()
+        choice = completion["choices"][0]
+        return {
+            "trajectory": {"messages_and_choices": [*messages, choice]},
+            "reward": float(body["generation"] % 2),
+        }
+
+    async with LiveServer(agent) as agent_server, serve(worker_enabled=True) as live:
+        await cpu_model(live.client, tiny_model)
+        response = await live.client.post(
+            "/v1/rollout-jobs",
+            json={
+                "model": "toy",
+                "examples": EXAMPLES,
+                "num_generations": 2,
+                "agent": {"url": f"{agent_server.url}/episode"},
+                "train": {"hyperparameters": {}},
+            },
+        )
+        job = await wait_job(live.client, response.headers["location"])
+        training = await wait_job(live.client, f"/v1/training-jobs/{job['training_job_id']}")
+    assert job["status"] == "succeeded", job["error"]
+    assert len(calls) == 4
+    assert calls[0]["model"]["name"] == "toy@0"
+    assert job["summary"]["mean_reward"] == 0.5
+    assert training["status"] == "succeeded" and training["result"]["final_step"] == 1
+
+
+@pytest.mark.parametrize(
+    ("change", "path"),
+    [
+        ({"grader": {"type": "regex", "pattern": "("}}, "grader.regex.pattern"),
+        (
+            {"examples": [{"id": 1, "messages": [{"role": "user", "content": "x"}]}]},
+            "examples[0].expected",
+        ),
+        ({"examples": [{"id": 1, "messages": []}]}, "examples[0].messages"),
+        ({"examples": [{"id": 1, "messages": [{"role": "robot", "content": "x"}]}]}, "examples[0]"),
+        ({"agent": {"url": "http://127.0.0.1:9/x"}}, ""),
+        ({"num_generations": 0}, "num_generations"),
+        ({"grader": {"type": "telepathy"}}, "grader"),
+        ({"train": {"hyperparameters": {"lr": 1}}}, "train.hyperparameters.lr"),
+        ({"model": "nobody"}, "model"),
+    ],
+)
+async def test_bad_rollout_requests_are_422_with_paths(serve, tiny_model, change, path) -> None:
+    async with serve() as live:
+        await cpu_model(live.client, tiny_model)
+        body = {"model": "toy", "examples": EXAMPLES, "grader": {"type": "exact_match"}, **change}
+        response = await live.client.post("/v1/rollout-jobs", json=body)
+        listed = (await live.client.get("/v1/rollout-jobs")).json()
+    assert response.status_code == 422, response.text
+    assert any(e["path"].startswith(path) for e in response.json()["errors"]), response.json()
+    assert listed["data"] == []
+
+
+async def test_a_model_that_is_not_served_cannot_roll_out(serve) -> None:
+    async with serve() as live:
+        await live.client.post(
+            "/v1/models", json={"name": "d", "base_model": "b", "backend": "dry-run"}
+        )
+        response = await live.client.post(
+            "/v1/rollout-jobs",
+            json={"model": "d", "examples": EXAMPLES, "grader": {"type": "exact_match"}},
+        )
+    assert response.status_code == 422
+    assert response.json()["errors"][0]["type"] == "not_served"
+
+
+async def test_cancel_a_queued_rollout_and_trajectories_are_409_until_done(
+    serve, tiny_model
+) -> None:
+    async with serve() as live:  # no worker: stays queued
+        await cpu_model(live.client, tiny_model)
+        job = (
+            await live.client.post(
+                "/v1/rollout-jobs",
+                json={"model": "toy", "examples": EXAMPLES, "grader": {"type": "contains"}},
+            )
+        ).json()
+        early = await live.client.get(f"/v1/rollout-jobs/{job['id']}/trajectories")
+        cancelled = await live.client.post(f"/v1/rollout-jobs/{job['id']}/cancel")
+        wrong_kind = await live.client.get(f"/v1/training-jobs/{job['id']}")
+    assert early.status_code == 409
+    assert cancelled.json()["status"] == "cancelled"
+    assert wrong_kind.status_code == 404
