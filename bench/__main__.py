@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from bench import cpu_step, ingest, queue
+from bench import cpu_step, fanout, ingest, queue
 
 
 def main() -> None:
@@ -12,6 +12,7 @@ def main() -> None:
     ingest.run()
     asyncio.run(queue.main())
     asyncio.run(cpu_step.run())
+    asyncio.run(fanout.run())
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from app.rollouts.sampling import SamplingClient, SamplingError
+from app.rollouts.sampling import POOL_SIZE, SamplingClient, SamplingError
 from tests.conftest import LiveServer
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": True}
@@ -141,6 +141,19 @@ async def test_at_most_concurrency_requests_in_flight_over_reused_connections(
     assert fake.max_in_flight == 4
     assert len(fake.ports) <= 4  # keep-alive: no new connection per request
     assert 0.25 <= elapsed < 1.0  # five waves of 50 ms
+
+
+async def test_concurrency_above_one_pool_spreads_over_pools_and_stays_bounded(
+    fake: FakeOpenAI,
+) -> None:
+    assert POOL_SIZE < 12
+    fake.delay = 0.05
+    async with SamplingClient(fake.base_url, None, concurrency=12) as client:
+        results = await asyncio.gather(*(client.chat(BODY) for _ in range(48)))
+        results += await asyncio.gather(*(client.chat(BODY) for _ in range(12)))
+    assert len(results) == 60
+    assert fake.max_in_flight == 12
+    assert len(fake.ports) == 12  # every slot's connection, each one reused
 
 
 async def test_sends_the_bearer_key_only_when_given(fake: FakeOpenAI) -> None:

@@ -19,6 +19,10 @@ import torch
 from openai.types.chat.chat_completion import Choice
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as transformers_logging
+
+# A service's log is no place for loading progress bars.
+transformers_logging.disable_progress_bar()
 
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

@@ -111,7 +111,10 @@ def _complete(policy: Any, request: ChatRequest, served_name: str) -> dict[str, 
         text_ids = [t for t in sample.token_ids if t != policy.eos_id and t not in stop_ids]
         choice: dict[str, Any] = {
             "index": index,
-            "message": {"role": "assistant", "content": policy.tokenizer.decode(text_ids)},
+            "message": {
+                "role": "assistant",
+                "content": policy.tokenizer.decode(text_ids, skip_special_tokens=True),
+            },
             "finish_reason": sample.finish_reason,
             "logprobs": None,
         }

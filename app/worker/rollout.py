@@ -214,12 +214,15 @@ async def _collect(
                 )
             )
         else:
+            grading = asyncio.Semaphore(body.concurrency)  # webhook graders are services too
             async with SamplingClient(
-                inference.base_url or "", api_key, concurrency=body.concurrency
+                inference.base_url or "", api_key, concurrency=body.concurrency, timeout=600
             ) as sampler:
                 results = await asyncio.gather(
                     *(
-                        _sample_example(body, example, inference, sampler, http, collected, advance)
+                        _sample_example(
+                            body, example, inference, sampler, http, grading, collected, advance
+                        )
                         for example in body.examples
                     )
                 )
@@ -240,6 +243,7 @@ async def _sample_example(
     inference: Inference,
     sampler: SamplingClient,
     http: httpx.AsyncClient,
+    grading: asyncio.Semaphore,
     collected: Collected,
     advance: Callable[[int], None],
 ) -> list[dict[str, Any]]:
@@ -263,9 +267,14 @@ async def _sample_example(
     trajectories = []
     for generation, choice in enumerate(response.get("choices", [])):
         answer = (choice.get("message") or {}).get("content") or ""
-        result = await grade(
-            body.grader, example=example_json, answer=answer, generation=generation, client=http
-        )
+        async with grading:
+            result = await grade(
+                body.grader,
+                example=example_json,
+                answer=answer,
+                generation=generation,
+                client=http,
+            )
         if result.reward is None:
             collected.error(f"example {example.id} generation {generation}: {result.error}")
         else:
