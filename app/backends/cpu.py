@@ -11,7 +11,6 @@ models: tests, the quick start, and laptops without a GPU.
 from __future__ import annotations
 
 import asyncio
-import shutil
 from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ import art
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.backends.base import TOTAL_KEY, report_gradient_step
+from app.backends.checkpoints import CheckpointDirs
 
 
 class CpuConfig(BaseModel):
@@ -47,29 +47,19 @@ class CpuHyperparameters(BaseModel):
     )
 
 
-class CpuBackend:
+class CpuBackend(CheckpointDirs):
     """Satisfies `art.Backend` structurally; one policy (and one adapter) per model."""
 
     def __init__(self, path: Path, *, host: str = "127.0.0.1", port: int = 0) -> None:
-        self.path = Path(path)
+        super().__init__(path)
         self.host, self.port = host, port
         self._policies: dict[str, Any] = {}
         self._server: Any = None
-
-    def _dir(self, model: art.Model) -> Path:
-        return self.path / model.project / "models" / model.name / "checkpoints"
-
-    def step_on_disk(self, model: art.Model) -> int:
-        steps = [int(p.name) for p in self._dir(model).glob("[0-9]*") if p.name.isdigit()]
-        return max(steps, default=0)
 
     @property
     def served(self) -> dict[str, tuple[art.Model, Any]]:
         """Registered models by name, with their policies (what the endpoint serves)."""
         return dict(self._policies)
-
-    def _model_inference_name(self, model: art.Model, step: int | None = None) -> str:
-        return f"{model.name}@{self.step_on_disk(model) if step is None else step}"
 
     async def close(self) -> None:
         if self._server is not None:
@@ -111,16 +101,6 @@ class CpuBackend:
         if step != policy.loaded_step:
             policy.load(checkpoint, step)
         return True
-
-    async def _get_step(self, model: art.TrainableModel) -> int:
-        return self.step_on_disk(model)
-
-    async def _delete_checkpoint_files(
-        self, model: art.TrainableModel, steps_to_keep: list[int]
-    ) -> None:
-        for path in self._dir(model).glob("[0-9]*"):
-            if path.name.isdigit() and int(path.name) not in steps_to_keep:
-                shutil.rmtree(path, ignore_errors=True)
 
     async def _prepare_backend_for_training(
         self, model: art.TrainableModel, config: Any = None

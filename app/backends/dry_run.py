@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 from collections.abc import AsyncIterator, Iterable
-from pathlib import Path
 from typing import Any
 
 import art
@@ -20,6 +18,7 @@ from openai.types.chat.chat_completion import Choice
 from pydantic import BaseModel, Field
 
 from app.backends.base import TOTAL_KEY, report_gradient_step
+from app.backends.checkpoints import CheckpointDirs
 
 
 class DryRunConfig(BaseModel):
@@ -53,41 +52,18 @@ def _choice_tokens(trajectory: art.Trajectory) -> int:
     return tokens
 
 
-class DryRunBackend:
+class DryRunBackend(CheckpointDirs):
     """Satisfies `art.Backend` (0.5.18) structurally, as ART's own backends do in 0.5.23."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = Path(path)
-
-    def _dir(self, model: art.Model) -> Path:
-        return self.path / model.project / "models" / model.name / "checkpoints"
-
-    def _step_on_disk(self, model: art.Model) -> int:
-        steps = [int(p.name) for p in self._dir(model).glob("[0-9]*") if p.name.isdigit()]
-        return max(steps, default=0)
 
     def _config(self, model: art.Model) -> DryRunConfig:
         config = model.config
         return config if isinstance(config, DryRunConfig) else DryRunConfig()
-
-    def _model_inference_name(self, model: art.Model, step: int | None = None) -> str:
-        return f"{model.name}@{self._step_on_disk(model) if step is None else step}"
 
     async def close(self) -> None:
         return None
 
     async def register(self, model: art.Model) -> None:
         (self._dir(model) / "0000").mkdir(parents=True, exist_ok=True)
-
-    async def _get_step(self, model: art.TrainableModel) -> int:
-        return self._step_on_disk(model)
-
-    async def _delete_checkpoint_files(
-        self, model: art.TrainableModel, steps_to_keep: list[int]
-    ) -> None:
-        for path in self._dir(model).glob("[0-9]*"):
-            if path.name.isdigit() and int(path.name) not in steps_to_keep:
-                shutil.rmtree(path, ignore_errors=True)
 
     async def _prepare_backend_for_training(
         self, model: art.TrainableModel, config: Any = None
@@ -117,7 +93,7 @@ class DryRunBackend:
         for index in range(total):
             await asyncio.sleep(config.seconds_per_step)
             report_gradient_step({TOTAL_KEY: total, "loss/train": 0.0, "step": index + 1})
-        step = self._step_on_disk(model) + 1
+        step = self.step_on_disk(model) + 1
         checkpoint = self._dir(model) / f"{step:04d}"
         checkpoint.mkdir(parents=True)
         manifest = {"metrics": metrics, "hyperparameters": kwargs}

@@ -230,13 +230,17 @@ async def cancel_job(
     return job
 
 
-def to_wire(job: JobRow) -> TrainingJob:
+def progress_of(job: JobRow) -> JobProgress:
     total = job.progress_total
     percent = None
     if total:
         percent = round(100.0 * job.progress_step / total, 2)
     elif total == 0:
         percent = 100.0
+    return JobProgress(step=job.progress_step, total=total, percent=percent)
+
+
+def to_wire(job: JobRow) -> TrainingJob:
     result = None
     if job.status == JobStatus.succeeded.value:
         result = JobResult(
@@ -253,7 +257,7 @@ def to_wire(job: JobRow) -> TrainingJob:
         summary=TrajectorySummary.model_validate(job.summary),
         hyperparameters=job.hyperparameters,
         metadata=job.meta,
-        progress=JobProgress(step=job.progress_step, total=total, percent=percent),
+        progress=progress_of(job),
         result=result,
         error=JobError.model_validate(job.error) if job.error else None,
         attempts=job.attempts,

@@ -15,11 +15,17 @@ from app.backends import SPECS
 from app.db import begin_write, utcnow
 from app.errors import ConflictError, InvalidInputError, field_errors
 from app.models import JobKind, JobRow, JobStatus, ModelRow
-from app.schemas.jobs import JobError, JobProgress, TrainingJobCreate
+from app.schemas.jobs import JobError, TrainingJobCreate
 from app.schemas.rollouts import RolloutJob, RolloutJobCreate, RolloutSummary, missing_expected
 from app.schemas.trajectories import ArtTrajectoryGroup, TrajectoryCollection
 from app.services.events import append_event
-from app.services.jobs import PAYLOAD_FORMAT, _check_trajectories, _compressor, new_job_id
+from app.services.jobs import (
+    PAYLOAD_FORMAT,
+    _check_trajectories,
+    _compressor,
+    new_job_id,
+    progress_of,
+)
 
 ROLLOUT_FORMAT = "rollout-job-create+json;zstd"
 
@@ -183,14 +189,12 @@ def to_collection(job: JobRow) -> TrajectoryCollection:
 
 
 def to_wire(job: JobRow) -> RolloutJob:
-    total = job.progress_total
-    percent = round(100.0 * job.progress_step / total, 2) if total else None
     return RolloutJob(
         id=job.id,
         model=job.model_name,
         status=JobStatus(job.status),
         summary=RolloutSummary.model_validate({**job.summary, **(job.metrics or {})}),
-        progress=JobProgress(step=job.progress_step, total=total, percent=percent),
+        progress=progress_of(job),
         training_job_id=job.next_job_id,
         error=JobError.model_validate(job.error) if job.error else None,
         metadata=job.meta,
