@@ -38,6 +38,9 @@ class Notifier:
         self.models_version = 0
         self._event_waiters: defaultdict[str, set[asyncio.Event]] = defaultdict(set)
         self._conn: Any = None
+        self._dsn = ""
+        self._closing = False
+        self._reconnect: asyncio.Future[None] | None = None
 
     def jobs_changed(self) -> None:
         self._jobs.set()
@@ -76,18 +79,41 @@ class Notifier:
                 del self._event_waiters[job_id]
 
     async def listen(self, database_url: str) -> None:
-        """On Postgres, also receive other processes' signals (best effort)."""
+        """On Postgres, also receive other processes' signals, and keep receiving them: a
+        lost LISTEN connection (a database restart) is re-opened in the background."""
         url = make_url(database_url)
         if url.get_backend_name() != "postgresql":
             return
-        dsn = url.set(drivername="postgresql").render_as_string(hide_password=False)
+        self._dsn = url.set(drivername="postgresql").render_as_string(hide_password=False)
+        if not await self._connect():
+            self._reconnect_later()
+
+    async def _connect(self) -> bool:
         try:
-            self._conn = await asyncpg.connect(dsn)
-            await self._conn.add_listener(JOBS_CHANNEL, self._on_notify)
-            await self._conn.add_listener(EVENTS_CHANNEL, self._on_notify)
+            conn = await asyncpg.connect(self._dsn)
+            await conn.add_listener(JOBS_CHANNEL, self._on_notify)
+            await conn.add_listener(EVENTS_CHANNEL, self._on_notify)
         except (OSError, asyncpg.PostgresError) as exc:
-            log.warning("LISTEN unavailable, falling back to polling: %s", exc)
-            self._conn = None
+            log.warning("LISTEN unavailable, polling until it is back: %s", exc)
+            return False
+        conn.add_termination_listener(lambda _conn: self._reconnect_later())
+        self._conn = conn
+        # Whatever was signalled while we were deaf: have everyone look again.
+        self.jobs_changed()
+        for job_id in list(self._event_waiters):
+            self.events_appended(job_id)
+        return True
+
+    def _reconnect_later(self) -> None:
+        self._conn = None
+        if not self._closing and (self._reconnect is None or self._reconnect.done()):
+            self._reconnect = asyncio.ensure_future(self._reconnect_loop())
+
+    async def _reconnect_loop(self) -> None:
+        delay = 0.5
+        while not self._closing and not await self._connect():
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 30.0)
 
     def _on_notify(self, _conn: Any, _pid: int, channel: str, payload: str) -> None:
         if channel == JOBS_CHANNEL:
@@ -95,7 +121,16 @@ class Notifier:
         else:
             self.events_appended(payload)
 
+    @property
+    def listening(self) -> bool:
+        return self._conn is not None and not self._conn.is_closed()
+
     async def close(self) -> None:
+        self._closing = True
+        if self._reconnect is not None:
+            self._reconnect.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reconnect
         if self._conn is not None:
             with contextlib.suppress(Exception):
                 await self._conn.close()
