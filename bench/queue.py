@@ -103,29 +103,40 @@ async def dispatch(database_url: str, data_dir: Path, jobs: int = 60) -> dict[st
     while not server.started:
         await asyncio.sleep(0.01)
     port = server.servers[0].sockets[0].getsockname()[1]
-    latencies, accepts = [], []
+    first: list[float] = []  # a model's first job: includes registering it with the backend
+    later: list[float] = []  # its next jobs: the steady state
+    accepts: list[float] = []
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
-        for i in range(jobs):
-            name = f"m{i}"  # a fresh model each time: nothing waits behind a running job
+        models = [f"m{i}" for i in range(jobs // 2)]
+        for name in models:
             await client.post(
                 "/v1/models", json={"name": name, "base_model": "b", "backend": "dry-run"}
             )
-            body = dumps({"model": name, "collection": SMALL_COLLECTION})
-            start = time.perf_counter()
-            response = await client.post(
-                "/v1/training-jobs", content=body, headers={"content-type": "application/json"}
-            )
-            accepts.append(time.perf_counter() - start)
-            assert response.status_code == 202, response.text
-            while name not in backend.called:
-                await asyncio.sleep(0.0005)
-            latencies.append(backend.called[name] - start)
+        for latencies in (first, later):
+            for name in models:
+                backend.called.pop(name, None)
+                body = dumps({"model": name, "collection": SMALL_COLLECTION})
+                start = time.perf_counter()
+                response = await client.post(
+                    "/v1/training-jobs",
+                    content=body,
+                    headers={"content-type": "application/json"},
+                )
+                accepts.append(time.perf_counter() - start)
+                assert response.status_code == 202, response.text
+                while name not in backend.called:
+                    await asyncio.sleep(0.0005)
+                latencies.append(backend.called[name] - start)
+                while (await client.get(f"/v1/training-jobs/{response.json()['id']}")).json()[
+                    "status"
+                ] != "succeeded":  # the model is free again before its next job
+                    await asyncio.sleep(0.001)
     server.should_exit = True
     await task
-    latencies.sort()
     return {
-        "p50": statistics.median(latencies),
-        "p95": latencies[int(0.95 * len(latencies)) - 1],
+        "p50": statistics.median(later),
+        "p95": sorted(later)[int(0.95 * len(later)) - 1],
+        "first_p50": statistics.median(first),
         "accept": statistics.median(accepts),
     }
 
@@ -253,9 +264,13 @@ async def main() -> dict[str, float]:
         postgres = await dispatch(POSTGRES, root / "p")
         for name, r, goal in (("SQLite", sqlite, 0.020), ("Postgres", postgres, 0.050)):
             report(
-                f"dispatch latency, {name}: submit -> backend.train called (60 jobs)",
+                f"dispatch latency, {name}: submit -> backend.train called (30 models x 2 jobs)",
                 [
                     ("p50", f"{r['p50'] * 1000:.1f} ms (goal <= {goal * 1000:.0f} ms)"),
+                    (
+                        "p50 of a model's first job (registers it)",
+                        f"{r['first_p50'] * 1000:.1f} ms",
+                    ),
                     ("p95", f"{r['p95'] * 1000:.1f} ms"),
                     ("baseline: POST round trip p50", f"{r['accept'] * 1000:.1f} ms"),
                     ("ratio dispatch p50 / POST p50", f"{r['p50'] / r['accept']:.2f}x"),
