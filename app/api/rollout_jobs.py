@@ -60,11 +60,7 @@ async def list_all(
     jobs, has_more = await jobs_service.list_jobs(
         session, status=status, model=model, after=after, limit=limit, kind=ROLLOUT
     )
-    return Page(
-        data=[service.to_wire(j) for j in jobs],
-        has_more=has_more,
-        next_cursor=jobs[-1].id if has_more and jobs else None,
-    )
+    return jobs_service.page_of(jobs, has_more, service.to_wire)
 
 
 @router.get(

@@ -5,7 +5,8 @@ from __future__ import annotations
 import hashlib
 import secrets
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import art
 import zstandard
@@ -19,6 +20,7 @@ from app.backends import SPECS
 from app.db import begin_write, utcnow
 from app.errors import ConflictError, InvalidInputError, NotFoundError, field_errors
 from app.models import JobKind, JobRow, JobStatus, ModelRow
+from app.schemas.common import Page
 from app.schemas.jobs import JobError, JobProgress, JobResult, TrainingJob, TrainingJobCreate
 from app.schemas.trajectories import TrajectorySummary
 from app.services.events import append_event
@@ -31,6 +33,7 @@ from app.trajectories import (
     summarize_groups,
 )
 
+T = TypeVar("T")
 PAYLOAD_FORMAT = "training-job-create+json;zstd"
 # Level 1: several hundred MB/s; JSON trajectories still shrink 5-10x.
 _compressor = zstandard.ZstdCompressor(level=1)
@@ -240,6 +243,32 @@ def progress_of(job: JobRow) -> JobProgress:
     return JobProgress(step=job.progress_step, total=total, percent=percent)
 
 
+def job_fields(job: JobRow) -> dict[str, Any]:
+    """What every kind of job shows the same way."""
+    return {
+        "id": job.id,
+        "model": job.model_name,
+        "status": JobStatus(job.status),
+        "metadata": job.meta,
+        "progress": progress_of(job),
+        "error": JobError.model_validate(job.error) if job.error else None,
+        "attempts": job.attempts,
+        "max_attempts": job.max_attempts,
+        "cancel_requested": job.cancel_requested,
+        "created_at": job.created_at,
+        "started_at": job.started_at,
+        "finished_at": job.finished_at,
+    }
+
+
+def page_of(jobs: list[JobRow], has_more: bool, wire: Callable[[JobRow], T]) -> Page[T]:
+    return Page(
+        data=[wire(j) for j in jobs],
+        has_more=has_more,
+        next_cursor=jobs[-1].id if has_more and jobs else None,
+    )
+
+
 def to_wire(job: JobRow) -> TrainingJob:
     result = None
     if job.status == JobStatus.succeeded.value:
@@ -251,19 +280,8 @@ def to_wire(job: JobRow) -> TrainingJob:
             recovered=job.recovered,
         )
     return TrainingJob(
-        id=job.id,
-        model=job.model_name,
-        status=JobStatus(job.status),
+        **job_fields(job),
         summary=TrajectorySummary.model_validate(job.summary),
         hyperparameters=job.hyperparameters,
-        metadata=job.meta,
-        progress=progress_of(job),
         result=result,
-        error=JobError.model_validate(job.error) if job.error else None,
-        attempts=job.attempts,
-        max_attempts=job.max_attempts,
-        cancel_requested=job.cancel_requested,
-        created_at=job.created_at,
-        started_at=job.started_at,
-        finished_at=job.finished_at,
     )

@@ -15,7 +15,7 @@ from app.backends import SPECS
 from app.db import begin_write, utcnow
 from app.errors import ConflictError, InvalidInputError, field_errors
 from app.models import JobKind, JobRow, JobStatus, ModelRow
-from app.schemas.jobs import JobError, TrainingJobCreate
+from app.schemas.jobs import TrainingJobCreate
 from app.schemas.rollouts import RolloutJob, RolloutJobCreate, RolloutSummary, missing_expected
 from app.schemas.trajectories import ArtTrajectoryGroup, TrajectoryCollection
 from app.services.events import append_event
@@ -23,8 +23,8 @@ from app.services.jobs import (
     PAYLOAD_FORMAT,
     _check_trajectories,
     _compressor,
+    job_fields,
     new_job_id,
-    progress_of,
 )
 
 ROLLOUT_FORMAT = "rollout-job-create+json;zstd"
@@ -190,18 +190,7 @@ def to_collection(job: JobRow) -> TrajectoryCollection:
 
 def to_wire(job: JobRow) -> RolloutJob:
     return RolloutJob(
-        id=job.id,
-        model=job.model_name,
-        status=JobStatus(job.status),
+        **job_fields(job),
         summary=RolloutSummary.model_validate({**job.summary, **(job.metrics or {})}),
-        progress=progress_of(job),
         training_job_id=job.next_job_id,
-        error=JobError.model_validate(job.error) if job.error else None,
-        metadata=job.meta,
-        attempts=job.attempts,
-        max_attempts=job.max_attempts,
-        cancel_requested=job.cancel_requested,
-        created_at=job.created_at,
-        started_at=job.started_at,
-        finished_at=job.finished_at,
     )

@@ -112,21 +112,10 @@ async def run_training(
     try:
         outcome = await supervise(train, lease, progress, engine, settings, signal)
     except Exception as exc:
-        # The step may have landed before the error (a reply lost on the way back): then
-        # it counts, and is never trained again.
-        step = await step_or_none(adapter, claim.model)
-        if step is not None and step > start_step:
-            await _succeeded(
-                engine,
-                claim,
-                adapter,
-                start_step,
-                step,
-                progress,
-                recovered=True,
-                note=f"{type(exc).__name__}: {exc}",
-            )
-        elif step is not None:
+        # The step may have landed before the error (a reply lost on the way back).
+        note = f"{type(exc).__name__}: {exc}"
+        step = await _count_if_landed(engine, claim, adapter, start_step, progress, note)
+        if step is not None and step <= start_step:
             await failed(engine, claim, classify(exc), settings, progress.take())
         # else: the lease lapses and recovery asks the backend again later
         signal()
@@ -138,19 +127,9 @@ async def run_training(
         log.warning("job %s: lease lost while training; result discarded", lease.job_id)
         return
     if outcome == "cancelled":
-        step = await step_or_none(adapter, claim.model)
-        if step is not None and step > start_step:  # the cancel came after the step landed
-            await _succeeded(
-                engine,
-                claim,
-                adapter,
-                start_step,
-                step,
-                progress,
-                recovered=True,
-                note="cancel arrived after the step landed",
-            )
-        else:
+        note = "cancel arrived after the step landed"
+        step = await _count_if_landed(engine, claim, adapter, start_step, progress, note)
+        if step is None or step <= start_step:
             await queue.finish(
                 engine,
                 lease,
@@ -174,6 +153,25 @@ async def run_training(
         trained=result.trained,
     )
     signal()
+
+
+async def _count_if_landed(
+    engine: AsyncEngine,
+    claim: Claim,
+    adapter: TrainerAdapter,
+    start_step: int,
+    progress: Progress,
+    note: str,
+) -> int | None:
+    """If the backend's step moved past `start_step` after all, the job succeeded: write
+    that (the step counts once, never trained again). Returns the step; None: unknown
+    (the lease lapses and recovery asks the backend again later)."""
+    step = await step_or_none(adapter, claim.model)
+    if step is not None and step > start_step:
+        await _succeeded(
+            engine, claim, adapter, start_step, step, progress, recovered=True, note=note
+        )
+    return step
 
 
 async def _succeeded(
