@@ -15,6 +15,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    false,
     text,
 )
 from sqlalchemy.orm import Mapped, mapped_column
@@ -53,6 +54,9 @@ class ModelRow(Base):
     backend: Mapped[str] = mapped_column(String(64))
     config: Mapped[dict[str, Any]] = mapped_column(JSONType, default=dict)
     current_step: Mapped[int] = mapped_column(Integer, default=0)
+    # current_step is the backend's own, read since the model last trained: a claim can
+    # record a job's start step from it (migration 0003).
+    step_known: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     inference_base_url: Mapped[str | None] = mapped_column(String(1024))
     inference_model_name: Mapped[str | None] = mapped_column(String(256))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)

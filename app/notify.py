@@ -1,8 +1,9 @@
 """Wake-ups: a queued job wakes idle workers, an appended event wakes its streams.
 
 In one process this is plain asyncio. On Postgres the same signals also travel between
-processes with LISTEN/NOTIFY (sent inside the writing transaction, so they are delivered
-only if it commits). Polling stays as the fallback, so a lost signal only costs latency.
+processes with LISTEN/NOTIFY: triggers on `jobs` and `job_events` (migration 0003) send
+them from inside the writing transaction, so they are delivered only if it commits.
+Polling stays as the fallback, so a lost signal only costs latency.
 """
 
 from __future__ import annotations
@@ -15,21 +16,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import asyncpg
-from sqlalchemy import text
 from sqlalchemy.engine import make_url
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 log = logging.getLogger(__name__)
 
 JOBS_CHANNEL = "trainyard_jobs"
 EVENTS_CHANNEL = "trainyard_events"
-
-
-async def send(executor: AsyncSession | AsyncConnection, channel: str, payload: str) -> None:
-    """Queue a cross-process notification, delivered when the transaction commits."""
-    bind = executor.get_bind() if isinstance(executor, AsyncSession) else executor
-    if bind.dialect.name == "postgresql":
-        await executor.execute(text("SELECT pg_notify(:c, :p)"), {"c": channel, "p": payload})
 
 
 class Notifier:

@@ -62,6 +62,12 @@ class Env:
     def engine(self):
         return self.worker.engine
 
+    async def claim_after_job(self, model: str = "agent") -> queue.Claim:
+        await self.job(model)
+        claim = await self.claim()
+        assert claim is not None
+        return claim
+
     async def claim(self) -> queue.Claim | None:
         claims = await queue.claim(self.engine, owner="test", lease_seconds=30)
         return claims[0] if claims else None
@@ -351,3 +357,96 @@ async def test_a_bad_payload_fails_with_its_own_error(env: Env) -> None:
     row = await env.row(job_id)
     assert row.status == "failed" and row.attempts == 1
     assert row.error["type"] == "ZstdError"
+
+
+async def test_once_the_model_step_is_known_the_claim_records_the_start(env: Env) -> None:
+    await env.model()
+    first, second = await env.job(), await env.job()
+    claim = await env.claim()
+    assert claim.start_step is None  # a new model: the worker asks the backend first
+    await env.worker.process(claim)
+    claim = await env.claim()
+    assert claim.start_step == 1 and (await env.row(second)).start_step == 1
+    await env.worker.process(claim)
+    row = await env.row(second)
+    assert (row.status, row.start_step, row.final_step) == ("succeeded", 1, 2)
+    assert await env.events(second) == await env.events(first)  # the same story, in order
+    assert len(env.backend.calls) == 2
+
+
+async def test_a_worker_dying_right_after_a_claim_with_a_known_step(env: Env) -> None:
+    from app.backends.base import ModelSpec
+
+    await env.model()
+    await env.worker.process(await env.claim_after_job())
+    retried = await env.job()
+    # Dies before training: the backend is still at the recorded step -> retried.
+    assert (await env.claim()).start_step == 1
+    await env.expire(retried)
+    assert await env.worker.recover_expired() == {retried: "retried"}
+    await env.make_eligible(retried)
+    await env.worker.process(await env.claim())
+    assert (await env.row(retried)).final_step == 2
+    # Dies after the step landed: the backend moved past the recorded step -> counted once.
+    recovered = await env.job()
+    assert (await env.claim()).start_step == 2
+    await env.worker.backends.get("dry-run").train(ModelSpec("agent", "", "", {}), [], {})
+    await env.expire(recovered)
+    assert await env.worker.recover_expired() == {recovered: "recovered"}
+    row = await env.row(recovered)
+    assert (row.status, row.recovered, row.start_step, row.final_step) == (
+        "succeeded",
+        True,
+        2,
+        3,
+    )
+
+
+async def test_a_step_taken_outside_trainyard_is_read_before_training(env: Env) -> None:
+    from app.backends.base import ModelSpec
+
+    await env.model()
+    await env.worker.process(await env.claim_after_job())
+    job_id = await env.job()
+    await env.worker.backends.get("dry-run").train(ModelSpec("agent", "", "", {}), [], {})
+    claim = await env.claim()
+    assert claim.start_step == 1  # what Trainyard last knew
+    await env.worker.process(claim)
+    row = await env.row(job_id)
+    assert (row.status, row.start_step, row.final_step) == ("succeeded", 2, 3)
+
+
+async def test_a_batch_claim_looks_past_a_page_of_one_models_jobs(env: Env) -> None:
+    await env.model("a")
+    await env.model("b")
+    a_jobs = [await env.job("a") for _ in range(8)]
+    b1 = await env.job("b")
+    claims = await queue.claim(env.engine, owner="test", lease_seconds=30, limit=2)
+    assert [c.lease.job_id for c in claims] == [a_jobs[0], b1]
+
+
+async def test_triggers_signal_queued_jobs_and_events_to_other_processes(env: Env) -> None:
+    if env.engine.dialect.name != "postgresql":
+        pytest.skip("LISTEN/NOTIFY is Postgres'")
+    import asyncio
+
+    import asyncpg
+
+    from app.notify import EVENTS_CHANNEL, JOBS_CHANNEL
+
+    url = env.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+    conn = await asyncpg.connect(url)
+    received: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
+    for channel in (JOBS_CHANNEL, EVENTS_CHANNEL):
+        await conn.add_listener(
+            channel, lambda _c, _p, ch, payload: received.put_nowait((ch, payload))
+        )
+    try:
+        await env.model()
+        job_id = await env.job()
+        got = {await asyncio.wait_for(received.get(), 5) for _ in range(2)}
+        assert got == {(JOBS_CHANNEL, job_id), (EVENTS_CHANNEL, job_id)}
+        await env.claim()  # a worker's write: its event is signalled too
+        assert await asyncio.wait_for(received.get(), 5) == (EVENTS_CHANNEL, job_id)
+    finally:
+        await conn.close()

@@ -13,7 +13,6 @@ from typing import Any
 from sqlalchemy import insert, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
-from app import notify
 from app.db import utcnow
 from app.models import JobEventRow, JobRow
 from app.schemas.jobs import JobEvent
@@ -25,7 +24,8 @@ Event = tuple[str, dict[str, Any]]
 async def add_events(
     executor: Executor, job_id: str, last_seq: int, events: Sequence[Event]
 ) -> None:
-    """Insert `events` as seqs `last_seq - len(events) + 1 .. last_seq`, and signal them."""
+    """Insert `events` as seqs `last_seq - len(events) + 1 .. last_seq`. On Postgres a
+    trigger signals them to other processes when the transaction commits."""
     if not events:
         return
     now = utcnow()
@@ -37,7 +37,6 @@ async def add_events(
             for i, (type_, data) in enumerate(events)
         ],
     )
-    await notify.send(executor, notify.EVENTS_CHANNEL, job_id)
 
 
 async def append_event(

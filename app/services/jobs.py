@@ -15,7 +15,6 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from app import notify
 from app.backends import SPECS
 from app.db import begin_write, utcnow
 from app.errors import ConflictError, InvalidInputError, NotFoundError, field_errors
@@ -23,7 +22,7 @@ from app.models import JobKind, JobRow, JobStatus, ModelRow
 from app.schemas.common import Page
 from app.schemas.jobs import JobError, JobProgress, JobResult, TrainingJob, TrainingJobCreate
 from app.schemas.trajectories import TrajectorySummary
-from app.services.events import append_event
+from app.services.events import add_events, append_event
 from app.trajectories import (
     check_collection,
     check_groups,
@@ -128,6 +127,7 @@ async def create_training_job(
         attempts=0,
         max_attempts=max_attempts,
         not_before=utcnow(),
+        last_event_seq=1,  # its first event, job_queued
     )
     session.add(job)
     try:
@@ -141,8 +141,7 @@ async def create_training_job(
             if replay is not None:
                 return replay, True
         raise ConflictError("a request with this Idempotency-Key is in progress") from exc
-    await append_event(session, job.id, "job_queued", {"summary": job.summary})
-    await notify.send(session, notify.JOBS_CHANNEL, job.id)
+    await add_events(session, job.id, 1, [("job_queued", {"summary": job.summary})])
     return job, False
 
 

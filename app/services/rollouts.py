@@ -10,7 +10,6 @@ import zstandard
 from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from app import notify
 from app.backends import SPECS
 from app.db import begin_write, utcnow
 from app.errors import ConflictError, InvalidInputError, field_errors
@@ -18,7 +17,7 @@ from app.models import JobKind, JobRow, JobStatus, ModelRow
 from app.schemas.jobs import TrainingJobCreate
 from app.schemas.rollouts import RolloutJob, RolloutJobCreate, RolloutSummary, missing_expected
 from app.schemas.trajectories import ArtTrajectoryGroup, TrajectoryCollection
-from app.services.events import append_event
+from app.services.events import add_events
 from app.services.jobs import (
     PAYLOAD_FORMAT,
     _check_trajectories,
@@ -81,11 +80,11 @@ async def create_rollout_job(
         attempts=0,
         max_attempts=max_attempts,
         not_before=utcnow(),
+        last_event_seq=1,  # its first event, job_queued
     )
     session.add(job)
     await session.flush()
-    await append_event(session, job.id, "job_queued", {"summary": job.summary})
-    await notify.send(session, notify.JOBS_CHANNEL, job.id)
+    await add_events(session, job.id, 1, [("job_queued", {"summary": job.summary})])
     return job
 
 
@@ -160,18 +159,25 @@ def to_collection(job: JobRow) -> TrajectoryCollection:
                     episode.append(
                         {
                             "role": "assistant",
-                            "content": message.get("content") or "",
+                            "content": _text(message.get("content")),
                             "logprobs": item.get("logprobs"),
                             "metadata": metadata,
                         }
                     )
                 else:
-                    extra = {k: v for k, v in item.items() if k not in ("role", "content")}
+                    content = item.get("content")
+                    # Content that is not plain text (OpenAI content parts) stays whole in
+                    # the metadata; the item's content is its text.
+                    extra = {
+                        k: v
+                        for k, v in item.items()
+                        if k != "role" and (k != "content" or not isinstance(v, str | None))
+                    }
                     role = {"developer": "system"}.get(item["role"], item["role"])
                     episode.append(
                         {
                             "role": role,
-                            "content": item.get("content") or "",
+                            "content": _text(content),
                             "logprobs": None,
                             "metadata": extra or None,
                         }
@@ -186,6 +192,20 @@ def to_collection(job: JobRow) -> TrajectoryCollection:
             )
         groups.append(trajectories)
     return TrajectoryCollection.model_validate({"trajectories": groups, "run_id": job.id})
+
+
+def _text(content: Any) -> str:
+    """An OpenAI message's content as NAT's text: a string as it is; of a list of content
+    parts, the text parts, one per line; anything else as JSON."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        return "\n".join(
+            part["text"]
+            for part in content
+            if isinstance(part, dict) and isinstance(part.get("text"), str)
+        )
+    return json.dumps(content)
 
 
 def to_wire(job: JobRow) -> RolloutJob:

@@ -18,7 +18,6 @@ from sqlalchemy import Table, and_, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from app import notify
 from app.backends.base import ModelSpec
 from app.db import utcnow, write_connection
 from app.models import JobRow, JobStatus, ModelRow, WorkerRow
@@ -54,6 +53,9 @@ class Claim:
     payload_bytes: int
     hyperparameters: dict[str, Any] = field(default_factory=dict)
     max_attempts: int = 1
+    # The model's step as recorded with the claim (None: not known; the worker reads the
+    # backend's and records it before training). Recovery compares the backend against it.
+    start_step: int | None = None
 
 
 def _guard(lease: Lease) -> Any:
@@ -89,7 +91,8 @@ async def claim(
     engine: AsyncEngine, *, owner: str, lease_seconds: float, limit: int = 1
 ) -> list[Claim]:
     """Take up to `limit` of the oldest eligible queued jobs, at most one per model, in one
-    transaction. Never two running jobs per model."""
+    transaction. Never two running jobs per model. Fewer than `limit`: no other job is
+    eligible right now."""
     for _ in range(8):
         try:
             async with write_connection(engine) as conn:
@@ -116,6 +119,8 @@ async def _claim_once(
             models.c.base_model,
             models.c.backend,
             models.c.config,
+            models.c.current_step,
+            models.c.step_known,
         )
         .join(models, models.c.name == jobs.c.model_name)
         .where(
@@ -124,20 +129,26 @@ async def _claim_once(
             jobs.c.model_name.not_in(_busy_models),
         )
         .order_by(jobs.c.not_before, jobs.c.id)
-        .limit(limit * 4)
     )
     if conn.dialect.name == "postgresql":
         # Locking the model row too makes a concurrent claimer skip every job of a model
         # that is being claimed right now, instead of colliding on the unique index.
         query = query.with_for_update(skip_locked=True, of=(jobs, models))
-    picked: dict[str, Any] = {}
-    for row in (await conn.execute(query)).all():
-        picked.setdefault(row.model_name, row)
-        if len(picked) == limit:
-            break
-    claims = []
-    for row in picked.values():
-        claims.append(await _take(conn, row, owner=owner, now=now, lease_seconds=lease_seconds))
+    claims: list[Claim] = []
+    while len(claims) < limit:
+        wanted = limit - len(claims)
+        rows = (await conn.execute(query.limit(wanted * 4))).all()
+        picked: dict[str, Any] = {}
+        for row in rows:
+            picked.setdefault(row.model_name, row)
+            if len(picked) == wanted:
+                break
+        for row in picked.values():
+            claims.append(await _take(conn, row, owner=owner, now=now, lease_seconds=lease_seconds))
+        if len(rows) < wanted * 4:
+            break  # every eligible job was seen; fewer than `limit` means none is left
+        # The page held several jobs of one model: look past them (the models just
+        # claimed are busy now, so they drop out).
     return claims
 
 
@@ -145,6 +156,9 @@ async def _take(
     conn: AsyncConnection, row: Any, *, owner: str, now: datetime, lease_seconds: float
 ) -> Claim:
     token = secrets.token_hex(16)
+    # Nothing trained the model since a worker last read its step from the backend (the
+    # model row is locked with this claim): that step is where this job starts.
+    start_step = row.current_step if row.step_known else None
     job = (
         await conn.execute(
             update(jobs)
@@ -158,7 +172,7 @@ async def _take(
                 started_at=now,
                 progress_step=0,
                 progress_total=None,
-                start_step=None,
+                start_step=start_step,
                 last_event_seq=jobs.c.last_event_seq + 1,
             )
             .returning(
@@ -185,6 +199,7 @@ async def _take(
         payload_bytes=job.payload_bytes,
         hyperparameters=job.hyperparameters,
         max_attempts=job.max_attempts,
+        start_step=start_step,
     )
 
 
@@ -221,14 +236,26 @@ async def heartbeat(
         return Heartbeat(alive=True, cancel_requested=row.cancel_requested)
 
 
+def started_event(lease: Lease, start_step: int, data: dict[str, Any]) -> Event:
+    return ("training_started", {"start_step": start_step, "attempt": lease.attempt, **data})
+
+
 async def record_start(
     engine: AsyncEngine, lease: Lease, *, start_step: int, data: dict[str, Any]
 ) -> bool:
-    """Write the model's step before training: recovery compares against it."""
-    event = ("training_started", {"start_step": start_step, "attempt": lease.attempt, **data})
+    """Write the model's step, as the backend just reported it, before training: recovery
+    compares against it. The model row learns it too, so later claims record it at once."""
+    event = started_event(lease, start_step, data)
     async with write_connection(engine) as conn:
         guard = and_(_guard(lease), jobs.c.status == RUNNING)
-        return await _write(conn, lease, guard, {"start_step": start_step}, [event]) is not None
+        if await _write(conn, lease, guard, {"start_step": start_step}, [event]) is None:
+            return False
+        await conn.execute(
+            update(models)
+            .where(models.c.name == lease.model_name)
+            .values(current_step=start_step, step_known=True)
+        )
+        return True
 
 
 async def finish(
@@ -270,7 +297,6 @@ async def finish(
         if new_job is not None:  # a job this one enqueues, in the same transaction
             await conn.execute(insert(jobs).values(**new_job, last_event_seq=1))
             await add_events(conn, new_job["id"], 1, [("job_queued", {"after": lease.job_id})])
-            await notify.send(conn, notify.JOBS_CHANNEL, new_job["id"])
         if model_update:
             await conn.execute(
                 update(models).where(models.c.name == lease.model_name).values(**model_update)
@@ -286,6 +312,7 @@ async def retry_or_fail(
     max_attempts: int,
     retry_base_seconds: float,
     expired_before: datetime | None = None,
+    earlier_events: Sequence[Event] = (),
 ) -> JobStatus | None:
     """Queue the job again after a backoff, or fail it once its attempts are spent.
 
@@ -300,6 +327,7 @@ async def retry_or_fail(
             data={"error": error, "attempt": lease.attempt},
             error=error,
             expired_before=expired_before,
+            earlier_events=earlier_events,
         )
         return JobStatus.failed if failed else None
     delay = backoff_seconds(lease.attempt, retry_base_seconds)
@@ -314,6 +342,7 @@ async def retry_or_fail(
         lease_owner=None,
         expired_before=expired_before,
         unless_cancel_requested=True,
+        earlier_events=earlier_events,
     )
     if queued:
         return JobStatus.queued
@@ -326,6 +355,7 @@ async def retry_or_fail(
         data={"while": "retrying", "error": error},
         error=error,
         expired_before=expired_before,
+        earlier_events=earlier_events,
     )
     return JobStatus.cancelled if cancelled else None
 

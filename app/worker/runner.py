@@ -104,8 +104,8 @@ class Worker:
                 task = asyncio.create_task(self._process(claim), name=f"job:{lease.job_id}")
                 self.tasks[lease.job_id] = (lease, task)
             started += len(claims)
-            if not claims:
-                break
+            if len(claims) < free:
+                break  # nothing else is eligible now
         return started
 
     async def _process(self, claim: Claim) -> None:
@@ -233,7 +233,7 @@ class Worker:
                 status=JobStatus.succeeded,
                 event="training_ended",
                 data={"start_step": start_step, "final_step": step, "recovered": True},
-                model_update={"current_step": step},
+                model_update={"current_step": step, "step_known": True},
                 final_step=step,
                 recovered=True,
                 error=None,

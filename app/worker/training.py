@@ -98,13 +98,16 @@ async def run_training(
         await failed(engine, claim, classify(exc), settings)
         signal()
         return
-    if not await queue.record_start(
-        engine, lease, start_step=start_step, data={"groups": len(groups)}
-    ):
-        log.warning("job %s: lease lost before training; discarding", lease.job_id)
-        return
-    signal()
     progress = Progress()
+    started = {"groups": len(groups)}
+    if start_step == claim.start_step:
+        # Recorded with the claim: the event goes out with the next write.
+        progress.events.append(queue.started_event(lease, start_step, started))
+    else:
+        if not await queue.record_start(engine, lease, start_step=start_step, data=started):
+            log.warning("job %s: lease lost before training; discarding", lease.job_id)
+            return
+        signal()
     train = asyncio.create_task(
         adapter.train(claim.model, groups, claim.hyperparameters, on_progress=progress),
         name=f"train:{lease.job_id}",
@@ -137,6 +140,8 @@ async def run_training(
                 event="job_cancelled",
                 data={"while": "running", "step": progress.step},
                 earlier_events=progress.take(),
+                # Unknown: the step may yet land; the next job reads it from the backend.
+                model_update={"step_known": False} if step is None else None,
             )
         signal()
         return
@@ -188,7 +193,7 @@ async def _succeeded(
     recovered: bool = False,
     note: str | None = None,
 ) -> None:
-    model_update: dict[str, Any] = {"current_step": step}
+    model_update: dict[str, Any] = {"current_step": step, "step_known": True}
     with contextlib.suppress(BackendError):
         inference = await adapter.inference(claim.model, step=step)
         model_update |= {
@@ -233,7 +238,9 @@ async def supervise(
     loop = asyncio.get_running_loop()
     renewed = loop.time()  # when the lease was last known to be extended
     next_beat = renewed + settings.heartbeat_seconds
-    next_write = renewed  # progress is written at most every PROGRESS_SECONDS
+    # Progress is written at most every PROGRESS_SECONDS; a step quicker than that writes
+    # its events with the final write.
+    next_write = renewed + PROGRESS_SECONDS
     while True:
         # Wake for the end of training, the next heartbeat, or new progress; fast steps
         # batch into one write.
@@ -305,6 +312,7 @@ async def failed(
             error=error,
             max_attempts=claim.max_attempts,
             retry_base_seconds=settings.retry_base_seconds,
+            earlier_events=earlier_events or (),
         )
     else:
         await queue.finish(
