@@ -21,6 +21,9 @@ Executor = AsyncConnection | AsyncSession
 Event = tuple[str, dict[str, Any]]
 
 
+_INSERT = insert(JobEventRow)  # built once: the workers insert events for every job
+
+
 async def add_events(
     executor: Executor, job_id: str, last_seq: int, events: Sequence[Event]
 ) -> None:
@@ -31,7 +34,7 @@ async def add_events(
     now = utcnow()
     first = last_seq - len(events) + 1
     await executor.execute(
-        insert(JobEventRow),
+        _INSERT,
         [
             {"job_id": job_id, "seq": first + i, "type": type_, "data": data, "created_at": now}
             for i, (type_, data) in enumerate(events)

@@ -7,6 +7,7 @@ write matches zero rows, and stops.
 
 from __future__ import annotations
 
+import functools
 import random
 import secrets
 from collections.abc import Sequence
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, cast
 
-from sqlalchemy import Table, and_, insert, select, update
+from sqlalchemy import Table, and_, bindparam, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
@@ -58,8 +59,46 @@ class Claim:
     start_step: int | None = None
 
 
-def _guard(lease: Lease) -> Any:
-    return and_(jobs.c.id == lease.job_id, jobs.c.lease_token == lease.token)
+# The hot statements are built once per shape, with bound parameters: SQLAlchemy then
+# reuses their cache keys and compiled SQL instead of rebuilding both for every job.
+
+
+def _lease_params(lease: Lease) -> dict[str, Any]:
+    return {"g_id": lease.job_id, "g_token": lease.token}
+
+
+def _guarded(*extra: Any) -> Any:
+    """The lease's job, still running under the same token."""
+    return and_(
+        jobs.c.id == bindparam("g_id"),
+        jobs.c.lease_token == bindparam("g_token"),
+        jobs.c.status == RUNNING,
+        *extra,
+    )
+
+
+@functools.cache
+def _job_update(keys: tuple[str, ...], expired_before: bool, unless_cancel: bool) -> Any:
+    extra = []
+    if expired_before:
+        extra.append(jobs.c.lease_expires_at < bindparam("g_expired_before"))
+    if unless_cancel:
+        extra.append(jobs.c.cancel_requested.is_(False))
+    values: dict[Any, Any] = {key: bindparam(f"v_{key}") for key in keys}
+    values |= {
+        "last_event_seq": jobs.c.last_event_seq + bindparam("g_events"),
+        "updated_at": bindparam("g_now"),
+    }
+    return update(jobs).where(_guarded(*extra)).values(values).returning(jobs.c.last_event_seq)
+
+
+@functools.cache
+def _model_update(keys: tuple[str, ...]) -> Any:
+    return (
+        update(models)
+        .where(models.c.name == bindparam("m_name"))
+        .values({key: bindparam(f"v_{key}") for key in keys})
+    )
 
 
 def backoff_seconds(attempt: int, base: float) -> float:
@@ -69,22 +108,33 @@ def backoff_seconds(attempt: int, base: float) -> float:
 
 
 async def _write(
-    conn: AsyncConnection, lease: Lease, guard: Any, values: dict[str, Any], events: Sequence[Event]
+    conn: AsyncConnection,
+    lease: Lease,
+    values: dict[str, Any],
+    events: Sequence[Event],
+    *,
+    expired_before: datetime | None = None,
+    unless_cancel_requested: bool = False,
 ) -> int | None:
-    """Guarded update of a job that also numbers its new events; None if nothing matched."""
-    seq = (
-        await conn.execute(
-            update(jobs)
-            .where(guard)
-            .values(
-                **values, last_event_seq=jobs.c.last_event_seq + len(events), updated_at=utcnow()
-            )
-            .returning(jobs.c.last_event_seq)
-        )
-    ).scalar_one_or_none()
+    """Guarded update of a running job that also numbers its new events; None if nothing
+    matched (the lease is lost). `expired_before`: only while the lease is still expired."""
+    keys = tuple(sorted(values))
+    statement = _job_update(keys, expired_before is not None, unless_cancel_requested)
+    params = {f"v_{key}": values[key] for key in keys}
+    params |= _lease_params(lease) | {"g_events": len(events), "g_now": utcnow()}
+    if expired_before is not None:
+        params["g_expired_before"] = expired_before
+    seq = (await conn.execute(statement, params)).scalar_one_or_none()
     if seq is not None:
         await add_events(conn, lease.job_id, seq, events)
     return seq
+
+
+async def update_model(conn: AsyncConnection, name: str, values: dict[str, Any]) -> None:
+    keys = tuple(sorted(values))
+    await conn.execute(
+        _model_update(keys), {"m_name": name} | {f"v_{key}": values[key] for key in keys}
+    )
 
 
 async def claim(
@@ -110,6 +160,27 @@ async def _claim_once(
     conn: AsyncConnection, *, owner: str, lease_seconds: float, limit: int
 ) -> list[Claim]:
     now = utcnow()
+    query = _claim_query(conn.dialect.name == "postgresql")
+    claims: list[Claim] = []
+    while len(claims) < limit:
+        wanted = limit - len(claims)
+        rows = (await conn.execute(query, {"now": now, "page": wanted * 4})).all()
+        picked: dict[str, Any] = {}
+        for row in rows:
+            picked.setdefault(row.model_name, row)
+            if len(picked) == wanted:
+                break
+        for row in picked.values():
+            claims.append(await _take(conn, row, owner=owner, now=now, lease_seconds=lease_seconds))
+        if len(rows) < wanted * 4:
+            break  # every eligible job was seen; fewer than `limit` means none is left
+        # The page held several jobs of one model: look past them (the models just
+        # claimed are busy now, so they drop out).
+    return claims
+
+
+@functools.cache
+def _claim_query(postgres: bool) -> Any:
     query = (
         select(
             jobs.c.id,
@@ -125,31 +196,43 @@ async def _claim_once(
         .join(models, models.c.name == jobs.c.model_name)
         .where(
             jobs.c.status == JobStatus.queued.value,
-            jobs.c.not_before <= now,
+            jobs.c.not_before <= bindparam("now"),
             jobs.c.model_name.not_in(_busy_models),
         )
         .order_by(jobs.c.not_before, jobs.c.id)
+        .limit(bindparam("page"))
     )
-    if conn.dialect.name == "postgresql":
+    if postgres:
         # Locking the model row too makes a concurrent claimer skip every job of a model
         # that is being claimed right now, instead of colliding on the unique index.
         query = query.with_for_update(skip_locked=True, of=(jobs, models))
-    claims: list[Claim] = []
-    while len(claims) < limit:
-        wanted = limit - len(claims)
-        rows = (await conn.execute(query.limit(wanted * 4))).all()
-        picked: dict[str, Any] = {}
-        for row in rows:
-            picked.setdefault(row.model_name, row)
-            if len(picked) == wanted:
-                break
-        for row in picked.values():
-            claims.append(await _take(conn, row, owner=owner, now=now, lease_seconds=lease_seconds))
-        if len(rows) < wanted * 4:
-            break  # every eligible job was seen; fewer than `limit` means none is left
-        # The page held several jobs of one model: look past them (the models just
-        # claimed are busy now, so they drop out).
-    return claims
+    return query
+
+
+_TAKE = (
+    update(jobs)
+    .where(jobs.c.id == bindparam("g_id"), jobs.c.status == JobStatus.queued.value)
+    .values(
+        status=RUNNING,
+        lease_token=bindparam("v_token"),
+        lease_owner=bindparam("v_owner"),
+        lease_expires_at=bindparam("v_expires"),
+        attempts=jobs.c.attempts + 1,
+        started_at=bindparam("v_now"),
+        progress_step=0,
+        progress_total=None,
+        start_step=bindparam("v_start_step"),
+        last_event_seq=jobs.c.last_event_seq + 1,
+    )
+    .returning(
+        jobs.c.attempts,
+        jobs.c.last_event_seq,
+        jobs.c.payload,
+        jobs.c.payload_bytes,
+        jobs.c.hyperparameters,
+        jobs.c.max_attempts,
+    )
+)
 
 
 async def _take(
@@ -159,32 +242,15 @@ async def _take(
     # Nothing trained the model since a worker last read its step from the backend (the
     # model row is locked with this claim): that step is where this job starts.
     start_step = row.current_step if row.step_known else None
-    job = (
-        await conn.execute(
-            update(jobs)
-            .where(jobs.c.id == row.id, jobs.c.status == JobStatus.queued.value)
-            .values(
-                status=RUNNING,
-                lease_token=token,
-                lease_owner=owner,
-                lease_expires_at=now + timedelta(seconds=lease_seconds),
-                attempts=jobs.c.attempts + 1,
-                started_at=now,
-                progress_step=0,
-                progress_total=None,
-                start_step=start_step,
-                last_event_seq=jobs.c.last_event_seq + 1,
-            )
-            .returning(
-                jobs.c.attempts,
-                jobs.c.last_event_seq,
-                jobs.c.payload,
-                jobs.c.payload_bytes,
-                jobs.c.hyperparameters,
-                jobs.c.max_attempts,
-            )
-        )
-    ).one()
+    params = {
+        "g_id": row.id,
+        "v_token": token,
+        "v_owner": owner,
+        "v_expires": now + timedelta(seconds=lease_seconds),
+        "v_now": now,
+        "v_start_step": start_step,
+    }
+    job = (await conn.execute(_TAKE, params)).one()
     await add_events(
         conn,
         row.id,
@@ -218,22 +284,35 @@ async def heartbeat(
     events: Sequence[Event] = (),
 ) -> Heartbeat:
     """Extend the lease, record progress and events, and learn whether cancel was asked."""
-    values: dict[str, Any] = {"lease_expires_at": utcnow() + timedelta(seconds=lease_seconds)}
+    params = _lease_params(lease) | {
+        "v_expires": utcnow() + timedelta(seconds=lease_seconds),
+        "g_events": len(events),
+    }
     if progress is not None:
-        values["progress_step"], values["progress_total"] = progress
+        params["v_step"], params["v_total"] = progress
     async with write_connection(engine) as conn:
-        row = (
-            await conn.execute(
-                update(jobs)
-                .where(_guard(lease), jobs.c.status == RUNNING)
-                .values(**values, last_event_seq=jobs.c.last_event_seq + len(events))
-                .returning(jobs.c.cancel_requested, jobs.c.last_event_seq)
-            )
-        ).one_or_none()
+        statement = _heartbeat(with_progress=progress is not None)
+        row = (await conn.execute(statement, params)).one_or_none()
         if row is None:
             return Heartbeat(alive=False, cancel_requested=False)
         await add_events(conn, lease.job_id, row.last_event_seq, events)
         return Heartbeat(alive=True, cancel_requested=row.cancel_requested)
+
+
+@functools.cache
+def _heartbeat(*, with_progress: bool) -> Any:
+    values: dict[str, Any] = {
+        "lease_expires_at": bindparam("v_expires"),
+        "last_event_seq": jobs.c.last_event_seq + bindparam("g_events"),
+    }
+    if with_progress:
+        values |= {"progress_step": bindparam("v_step"), "progress_total": bindparam("v_total")}
+    return (
+        update(jobs)
+        .where(_guarded())
+        .values(values)
+        .returning(jobs.c.cancel_requested, jobs.c.last_event_seq)
+    )
 
 
 def started_event(lease: Lease, start_step: int, data: dict[str, Any]) -> Event:
@@ -247,14 +326,9 @@ async def record_start(
     compares against it. The model row learns it too, so later claims record it at once."""
     event = started_event(lease, start_step, data)
     async with write_connection(engine) as conn:
-        guard = and_(_guard(lease), jobs.c.status == RUNNING)
-        if await _write(conn, lease, guard, {"start_step": start_step}, [event]) is None:
+        if await _write(conn, lease, {"start_step": start_step}, [event]) is None:
             return False
-        await conn.execute(
-            update(models)
-            .where(models.c.name == lease.model_name)
-            .values(current_step=start_step, step_known=True)
-        )
+        await update_model(conn, lease.model_name, {"current_step": start_step, "step_known": True})
         return True
 
 
@@ -285,22 +359,23 @@ async def finish(
     }
     if status.is_final:
         values["finished_at"] = utcnow()
-    guard = and_(_guard(lease), jobs.c.status == RUNNING)
-    if expired_before is not None:
-        guard = and_(guard, jobs.c.lease_expires_at < expired_before)
-    if unless_cancel_requested:
-        guard = and_(guard, jobs.c.cancel_requested.is_(False))
     async with write_connection(engine) as conn:
         events = [*earlier_events, (event, data)]
-        if await _write(conn, lease, guard, values, events) is None:
+        written = await _write(
+            conn,
+            lease,
+            values,
+            events,
+            expired_before=expired_before,
+            unless_cancel_requested=unless_cancel_requested,
+        )
+        if written is None:
             return False
         if new_job is not None:  # a job this one enqueues, in the same transaction
             await conn.execute(insert(jobs).values(**new_job, last_event_seq=1))
             await add_events(conn, new_job["id"], 1, [("job_queued", {"after": lease.job_id})])
         if model_update:
-            await conn.execute(
-                update(models).where(models.c.name == lease.model_name).values(**model_update)
-            )
+            await update_model(conn, lease.model_name, model_update)
         return True
 
 

@@ -317,5 +317,5 @@ class Worker:
             data={"worker": self.id},
             lease_owner=None,
             not_before=utcnow(),
-            attempts=JobRow.attempts - 1,
+            attempts=lease.attempt - 1,  # the token held: attempts is the lease's
         )
