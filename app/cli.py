@@ -58,17 +58,21 @@ def worker() -> None:
 
 async def _run_worker() -> None:
     from app.backends import Backends
-    from app.db import create_engine
+    from app.db import POOL_SPARE, create_engine
     from app.migrate import migrate
     from app.notify import Notifier
     from app.worker.runner import Worker
 
     settings = get_settings()
-    engine = create_engine(settings.database_url)
+    engine = create_engine(
+        settings.database_url,
+        sqlite_busy_timeout=settings.sqlite_busy_timeout_seconds,
+        pool_size=settings.worker_concurrency + POOL_SPARE,
+    )
     if settings.migrate_on_start:
         await migrate(engine)
     notifier = Notifier()
-    await notifier.listen(settings.database_url)
+    await notifier.listen(settings.database_url, events=False)  # it streams no events
     backends = Backends(settings)
     runner = Worker(
         settings=settings,

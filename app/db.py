@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any
 from sqlalchemy import JSON, DateTime, MetaData, event
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import Dialect, make_url
+from sqlalchemy.exc import DBAPIError, DisconnectionError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import (
     AsyncConnection,
     AsyncEngine,
@@ -62,21 +64,28 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
-def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
-    # Let SQLAlchemy's "begin" hook emit BEGIN itself (see _sqlite_on_begin).
-    dbapi_connection.isolation_level = None
-    cursor = dbapi_connection.cursor()
-    # WAL: readers never block the writer and the writer never blocks readers.
-    cursor.execute("PRAGMA journal_mode=WAL")
-    # Rows that point at missing parents are bugs; SQLite ignores FKs unless asked.
-    cursor.execute("PRAGMA foreign_keys=ON")
-    # NORMAL is durable in WAL mode across application crashes (only power loss can
-    # lose the last commits), and much faster than FULL.
-    cursor.execute("PRAGMA synchronous=NORMAL")
-    # Wait for a competing writer instead of failing at once with SQLITE_BUSY.
-    cursor.execute("PRAGMA busy_timeout=5000")
-    cursor.close()
+def _sqlite_on_connect(busy_timeout: float) -> Callable[[Any, Any], None]:
+    def on_connect(dbapi_connection: Any, _record: Any) -> None:
+        # Let SQLAlchemy's "begin" hook emit BEGIN itself (see _sqlite_on_begin).
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        # WAL: readers never block the writer and the writer never blocks readers.
+        cursor.execute("PRAGMA journal_mode=WAL")
+        # Rows that point at missing parents are bugs; SQLite ignores FKs unless asked.
+        cursor.execute("PRAGMA foreign_keys=ON")
+        # NORMAL is durable in WAL mode across application crashes (only power loss can
+        # lose the last commits), and much faster than FULL.
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        # Wait for a competing writer instead of failing at once with SQLITE_BUSY; past
+        # the timeout the request answers 503 with Retry-After (app/errors.py).
+        cursor.execute(f"PRAGMA busy_timeout={round(busy_timeout * 1000)}")
+        cursor.close()
 
+    return on_connect
+
+
+POOL_SPARE = 8
+"""Connections a process keeps beyond its worker's jobs: for API requests and the loop."""
 
 WRITE = {"trainyard_write": True}
 """Execution options of a transaction that will write (see `_sqlite_on_begin`)."""
@@ -90,17 +99,51 @@ def _sqlite_on_begin(conn: Any) -> None:
     conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
 
 
-def create_engine(database_url: str, **kwargs: Any) -> AsyncEngine:
+def create_engine(
+    database_url: str, *, sqlite_busy_timeout: float = 5.0, pool_size: int = 8, **kwargs: Any
+) -> AsyncEngine:
+    """`sqlite_busy_timeout`: seconds a SQLite statement waits for another writer's lock.
+    `pool_size`: connections kept open; at least what runs at once (a worker's jobs and
+    the API's requests), or every burst opens and closes connections beyond it."""
     url = make_url(database_url)
+    if url.database not in (None, "", ":memory:"):
+        kwargs.setdefault("pool_size", pool_size)
     if url.get_backend_name() == "sqlite":
         if url.database and url.database != ":memory:":
             Path(url.database).parent.mkdir(parents=True, exist_ok=True)
         engine = create_async_engine(url, **kwargs)
-        event.listen(engine.sync_engine, "connect", _sqlite_on_connect)
+        event.listen(engine.sync_engine, "connect", _sqlite_on_connect(sqlite_busy_timeout))
         event.listen(engine.sync_engine, "begin", _sqlite_on_begin)
         return engine
-    kwargs.setdefault("pool_pre_ping", True)
-    return create_async_engine(url, **kwargs)
+    engine = create_async_engine(url, **kwargs)
+    _ping_when_idle(engine)
+    return engine
+
+
+PING_AFTER_IDLE_SECONDS = 1.0
+
+
+def _ping_when_idle(engine: AsyncEngine) -> None:
+    """Check a pooled connection before use if it sat idle (a database restart may have
+    closed it meanwhile): busy connections skip the round trip that `pool_pre_ping` would
+    add to every transaction. One the server dropped is replaced before anyone uses it."""
+    dialect = engine.dialect
+
+    def mark_idle(_dbapi_connection: Any, record: Any, *_: Any) -> None:
+        record.info["idle_since"] = time.monotonic()
+
+    def check(dbapi_connection: Any, record: Any, _proxy: Any) -> None:
+        idle_since = record.info.get("idle_since", 0.0)
+        if time.monotonic() - idle_since < PING_AFTER_IDLE_SECONDS:
+            return
+        try:
+            dialect.do_ping(dbapi_connection)
+        except Exception as exc:
+            raise DisconnectionError(f"pooled connection is gone: {exc}") from exc
+
+    event.listen(engine.sync_engine, "connect", mark_idle)
+    event.listen(engine.sync_engine, "checkin", mark_idle)
+    event.listen(engine.sync_engine, "checkout", check)
 
 
 def create_sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
@@ -132,3 +175,22 @@ async def transaction(sessions: async_sessionmaker[AsyncSession]) -> AsyncIterat
             await session.rollback()
             raise
         await session.commit()
+
+
+# SQLSTATE classes that say "the server cannot serve you right now", not "your request is
+# wrong": 08 connection exception, 53 insufficient resources (too many connections), 57P
+# operator intervention (shutting down, starting up: "the database system is starting up").
+_UNAVAILABLE_SQLSTATES = ("08", "53", "57P")
+
+
+def is_unavailable(exc: BaseException) -> bool:
+    """A database that is down, restarting, overloaded or (SQLite) locked: worth a retry.
+    asyncpg's server-side errors reach SQLAlchemy as a plain DBAPIError, so the SQLSTATE
+    decides, not the class."""
+    if isinstance(exc, OSError):
+        return True
+    if not isinstance(exc, DBAPIError):
+        return False
+    if isinstance(exc, OperationalError | InterfaceError) or exc.connection_invalidated:
+        return True
+    return str(getattr(exc.orig, "sqlstate", "") or "").startswith(_UNAVAILABLE_SQLSTATES)

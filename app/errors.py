@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -13,12 +14,11 @@ from sqlalchemy.exc import (
     DataError,
     DBAPIError,
     IntegrityError,
-    InterfaceError,
-    OperationalError,
 )
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.status import HTTP_422_UNPROCESSABLE_CONTENT
 
+from app.db import is_unavailable
 from app.schemas.common import FieldError, Problem
 
 log = logging.getLogger(__name__)
@@ -86,11 +86,18 @@ def field_errors(
         location = default_location
         if loc and loc[0] in _LOCATIONS:
             location = loc.pop(0)
+        message = str(err.get("msg", "invalid"))
+        if err.get("type") == "json_invalid" and loc and isinstance(loc[-1], int):
+            # FastAPI puts the character offset of a JSON syntax error where a field's path
+            # goes: the error is about the whole body, at that offset.
+            reason = (err.get("ctx") or {}).get("error")
+            message = f"{message}: {reason}" if reason else message
+            message += f" at character {loc.pop()}"
         result.append(
             FieldError(
                 location=location,
                 path=format_path(loc),
-                message=str(err.get("msg", "invalid")),
+                message=message,
                 type=str(err.get("type", "invalid")),
             )
         )
@@ -143,9 +150,7 @@ def install(app: FastAPI) -> None:
             **exc.extensions,
         )
 
-    @app.exception_handler(RequestValidationError)
-    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = field_errors(exc.errors())
+    def _invalid(request: Request, errors: list[FieldError]) -> JSONResponse:
         return problem_response(
             HTTP_422_UNPROCESSABLE_CONTENT,
             "Unprocessable Content",
@@ -155,15 +160,24 @@ def install(app: FastAPI) -> None:
             errors=errors,
         )
 
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _invalid(request, field_errors(exc.errors()))
+
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        undecodable = _undecodable_body(exc)
+        if undecodable is not None:
+            return _invalid(request, [undecodable])
         title = _reason(exc.status_code)
         detail = exc.detail if exc.detail and exc.detail != title else None
         if exc.status_code == 404 and detail is None:
             detail = f"No route matches {request.method} {request.url.path}"
-        return problem_response(
-            exc.status_code, title, detail, request=request, headers=getattr(exc, "headers", None)
-        )
+        headers = getattr(exc, "headers", None)
+        if exc.status_code == 405:
+            allow = _allowed_methods(request, (headers or {}).get("Allow"))
+            headers = {**(headers or {}), "Allow": allow}
+        return problem_response(exc.status_code, title, detail, request=request, headers=headers)
 
     @app.exception_handler(IntegrityError)
     async def _integrity(request: Request, exc: IntegrityError) -> JSONResponse:
@@ -178,7 +192,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(DBAPIError)
     async def _database(request: Request, exc: DBAPIError) -> JSONResponse:
-        if isinstance(exc, OperationalError | InterfaceError):
+        if is_unavailable(exc):
             detail = (
                 "The database is busy" if _is_sqlite_busy(exc) else "The database is unavailable"
             )
@@ -223,6 +237,40 @@ def install(app: FastAPI) -> None:
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return problem_response(500, "Internal Server Error", None, request=request)
+
+
+def _undecodable_body(exc: StarletteHTTPException) -> FieldError | None:
+    """FastAPI reports a JSON syntax error as a 422 `json_invalid`, but answers a bare 400
+    when the body fails to decode otherwise: bytes that are not UTF-8, nesting deeper than
+    the JSON parser's recursion limit, an integer too long to convert. Those are the same
+    bad input."""
+    cause = exc.__cause__
+    if exc.status_code != 400:
+        return None
+    if isinstance(cause, UnicodeDecodeError):
+        message = f"the body is not UTF-8 text: {cause.reason} at byte {cause.start}"
+    elif isinstance(cause, RecursionError):
+        message = "the body nests arrays or objects too deeply to parse"
+    elif isinstance(cause, ValueError):  # e.g. an integer of more than 4300 digits
+        message = "the body is not valid JSON: " + str(cause).split(";")[0]
+    else:
+        return None
+    return FieldError(location="body", path="", message=message, type="json_invalid")
+
+
+def _allowed_methods(request: Request, allow: str | None) -> str:
+    """Every method the request's path serves. Starlette's 405 names only the methods of
+    the first route whose path matched, and GET and POST of one path are two routes: add
+    those the OpenAPI document lists for the path."""
+    methods = {m.strip() for m in (allow or "").split(",") if m.strip()}
+    path = request.scope["path"]
+    for template, operations in request.app.openapi().get("paths", {}).items():
+        pattern = re.sub(r"\\\{[^/]*?\\\}", "[^/]+", re.escape(template))
+        if re.fullmatch(pattern, path):
+            methods.update(method.upper() for method in operations)
+    if "GET" in methods:
+        methods.add("HEAD")
+    return ", ".join(sorted(methods))
 
 
 def _reason(status: int) -> str:

@@ -15,7 +15,7 @@ from app import __version__, errors
 from app.api import health, models, rollout_jobs, training_jobs
 from app.api.deps import require_api_key
 from app.backends import Backends
-from app.db import create_engine, create_sessionmaker
+from app.db import POOL_SPARE, create_engine, create_sessionmaker
 from app.metrics import Metrics
 from app.migrate import migrate
 from app.notify import Notifier
@@ -48,7 +48,11 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine = create_engine(settings.database_url)
+        engine = create_engine(
+            settings.database_url,
+            sqlite_busy_timeout=settings.sqlite_busy_timeout_seconds,
+            pool_size=settings.worker_concurrency + POOL_SPARE,
+        )
         app.state.engine = engine
         app.state.sessions = create_sessionmaker(engine)
         app.state.notifier = Notifier()
@@ -98,6 +102,9 @@ def create_app(
     return app
 
 
+_NO_IO = {"/healthz", "/v1/backends"}  # answered from memory: never a 503
+
+
 def _document_problems(app: FastAPI) -> None:
     """Document every error as problem+json: FastAPI's default 422 schema is not what we send."""
     build = app.openapi
@@ -114,10 +121,20 @@ def _document_problems(app: FastAPI) -> None:
             for name in ("HTTPValidationError", "ValidationError"):
                 components.pop(name, None)
             validation = problem_responses(422)[422]
-            for path in schema.get("paths", {}).values():
+            # Statuses the app-wide handlers send from any route: 413 from the body limit
+            # (for operations that take a body), 503 with Retry-After when the database or
+            # a dependency is down (routes that do I/O). Listed, so that generated clients
+            # parse them as problems rather than leave them unparsed.
+            too_large, unavailable = problem_responses(413, 503).values()
+            for name, path in schema.get("paths", {}).items():
                 for operation in path.values():
-                    if "422" in operation.get("responses", {}):
-                        operation["responses"]["422"] = validation
+                    responses = operation.setdefault("responses", {})
+                    if "422" in responses:
+                        responses["422"] = validation
+                    if "requestBody" in operation:
+                        responses.setdefault("413", too_large)
+                    if name not in _NO_IO:
+                        responses.setdefault("503", unavailable)
             app.openapi_schema = schema
         return app.openapi_schema
 

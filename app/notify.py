@@ -31,6 +31,7 @@ class Notifier:
         self._event_waiters: defaultdict[str, set[asyncio.Event]] = defaultdict(set)
         self._conn: Any = None
         self._dsn = ""
+        self._channels: tuple[str, ...] = ()
         self._closing = False
         self._reconnect: asyncio.Future[None] | None = None
 
@@ -70,9 +71,11 @@ class Notifier:
             if not waiters:
                 del self._event_waiters[job_id]
 
-    async def listen(self, database_url: str) -> None:
+    async def listen(self, database_url: str, *, events: bool = True) -> None:
         """On Postgres, also receive other processes' signals, and keep receiving them: a
-        lost LISTEN connection (a database restart) is re-opened in the background."""
+        lost LISTEN connection (a database restart) is re-opened in the background.
+        `events=False`: only queued jobs (a worker process streams no events)."""
+        self._channels = (JOBS_CHANNEL, EVENTS_CHANNEL) if events else (JOBS_CHANNEL,)
         url = make_url(database_url)
         if url.get_backend_name() != "postgresql":
             return
@@ -83,8 +86,8 @@ class Notifier:
     async def _connect(self) -> bool:
         try:
             conn = await asyncpg.connect(self._dsn)
-            await conn.add_listener(JOBS_CHANNEL, self._on_notify)
-            await conn.add_listener(EVENTS_CHANNEL, self._on_notify)
+            for channel in self._channels:
+                await conn.add_listener(channel, self._on_notify)
         except (OSError, asyncpg.PostgresError) as exc:
             log.warning("LISTEN unavailable, polling until it is back: %s", exc)
             return False

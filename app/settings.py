@@ -59,6 +59,13 @@ class Settings(BaseSettings):
     retry_base_seconds: float = Field(
         default=2.0, ge=0, description="First retry delay; doubles per attempt, with jitter."
     )
+    sqlite_busy_timeout_seconds: float = Field(
+        default=5.0,
+        ge=0,
+        le=600,
+        description="How long a SQLite statement waits for another connection's write lock "
+        "before the request answers 503 with Retry-After (the worker retries).",
+    )
     migrate_on_start: bool = Field(
         default=True, description="Upgrade the database schema to head when the service starts."
     )

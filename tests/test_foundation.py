@@ -227,3 +227,28 @@ async def test_listen_comes_back_after_the_database_drops_it(database_url: str) 
     finally:
         await notifier.close()
         await engine.dispose()
+
+
+async def test_a_pooled_connection_the_server_dropped_is_replaced_before_use(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not database_url.startswith("postgresql"):
+        pytest.skip("a server that drops connections is Postgres'")
+    from sqlalchemy import text
+
+    from app import db
+
+    engine = db.create_engine(database_url)
+    other = db.create_engine(database_url)
+    try:
+        async with engine.connect() as conn:
+            pid = (await conn.execute(text("SELECT pg_backend_pid()"))).scalar_one()
+        async with other.begin() as conn:  # what a database restart does to idle connections
+            await conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+        monkeypatch.setattr(db, "PING_AFTER_IDLE_SECONDS", 0.0)  # it has been idle "long"
+        async with engine.connect() as conn:
+            fresh = (await conn.execute(text("SELECT pg_backend_pid()"))).scalar_one()
+        assert fresh != pid
+    finally:
+        await engine.dispose()
+        await other.dispose()

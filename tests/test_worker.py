@@ -450,3 +450,31 @@ async def test_triggers_signal_queued_jobs_and_events_to_other_processes(env: En
         assert await asyncio.wait_for(received.get(), 5) == (EVENTS_CHANNEL, job_id)
     finally:
         await conn.close()
+
+
+async def test_a_final_write_waits_out_a_database_that_is_away(env: Env) -> None:
+    if env.engine.dialect.name != "sqlite":
+        pytest.skip("a write lock held from outside is SQLite's way to be away")
+    import asyncio
+    import sqlite3
+
+    await env.model()
+    job_id = await env.job()
+    claim = await env.claim()
+    engine = create_engine(env.settings.database_url, sqlite_busy_timeout=0.05)
+    lock = sqlite3.connect(env.engine.url.database, isolation_level=None)
+    try:
+        lock.execute("BEGIN EXCLUSIVE")
+        write = asyncio.create_task(
+            queue.finish(
+                engine, claim.lease, status=JobStatus.succeeded, event="training_ended", data={}
+            )
+        )
+        await asyncio.sleep(0.5)  # the database stays away for a while
+        assert not write.done()
+        lock.execute("COMMIT")
+        assert await write is True
+        assert (await env.row(job_id)).status == "succeeded"
+    finally:
+        lock.close()
+        await engine.dispose()

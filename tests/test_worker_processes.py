@@ -3,63 +3,27 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
-import os
 import signal
-import subprocess
-import sys
-from collections import defaultdict
-from pathlib import Path
 
 import pytest
 from sqlalchemy import func, select
 
 from app.models import JobEventRow, JobRow
+from tests.processes import (
+    check_one_claim_and_no_overlap,
+    claim_owners,
+    start_worker,
+    stop,
+    until,
+)
+from tests.processes import checkpoints as checkpoint_dirs
 from tests.test_worker import Env, _env
 
 pytestmark = pytest.mark.slow
 
-TRAINYARD = str(Path(sys.executable).parent / "trainyard")
-
-
-def start_worker(env: Env, **extra: str) -> subprocess.Popen:
-    settings = env.settings
-    environ = {
-        **os.environ,
-        "TRAINYARD_DATABASE_URL": settings.database_url,
-        "TRAINYARD_DATA_DIR": str(settings.data_dir),
-        "TRAINYARD_LEASE_SECONDS": "1.0",
-        "TRAINYARD_HEARTBEAT_SECONDS": "0.2",
-        "TRAINYARD_POLL_SECONDS": "0.2",
-        "TRAINYARD_RETRY_BASE_SECONDS": "0.05",
-        "TRAINYARD_LOG_LEVEL": "warning",
-        **extra,
-    }
-    return subprocess.Popen([TRAINYARD, "worker"], env=environ)
-
-
-def stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-async def until(condition, timeout: float = 30.0, what: str = "condition"):
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not (result := await condition()):
-        assert loop.time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)
-    return result
-
 
 def checkpoints(env: Env, model: str) -> list[str]:
-    root = env.settings.data_dir / "dry-run" / "tests" / "models" / model / "checkpoints"
-    return sorted(p.name for p in root.iterdir()) if root.exists() else []
+    return checkpoint_dirs(env.settings.data_dir, model)
 
 
 @pytest.fixture
@@ -80,7 +44,7 @@ async def test_sigkill_mid_training_then_a_new_worker_finishes_it_once(plain_env
     model = f"agent{round_}"
     await env.model(model, seconds_per_step=0.25, seconds_after_step=5.0 if after_step else 0)
     job_id = await env.job(model, collection=f_collection())
-    first = start_worker(env)
+    first = start_worker(env.settings)
     try:
         await until(lambda: _has_event(env, job_id, "training_started"), what="training start")
         if after_step:
@@ -93,7 +57,7 @@ async def test_sigkill_mid_training_then_a_new_worker_finishes_it_once(plain_env
         first.wait(10)
     finally:
         stop(first)
-    second = start_worker(env)
+    second = start_worker(env.settings)
     try:
         row = await until(lambda: _final(env, job_id), what="the job to finish")
     finally:
@@ -136,7 +100,7 @@ async def test_two_workers_on_postgres_share_a_burst_without_overlap(
     for name in models:
         await env.model(name, seconds_per_step=0.02)
     # Two slots each for four models: neither worker can take the whole burst alone.
-    workers = [start_worker(env, TRAINYARD_WORKER_CONCURRENCY="2") for _ in range(2)]
+    workers = [start_worker(env.settings, TRAINYARD_WORKER_CONCURRENCY="2") for _ in range(2)]
     try:
         job_ids = [await env.job(models[i % 4]) for i in range(40)]
 
@@ -165,18 +129,7 @@ async def test_two_workers_on_postgres_share_a_burst_without_overlap(
                 .order_by(JobEventRow.id)
             )
         ).all()
-    claims = defaultdict(list)
-    spans: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
-    for job_id, type_, at, data, model in rows:
-        if type_ == "job_claimed":
-            claims[job_id].append(data["worker"])
-        if type_ in {"job_claimed", "training_ended"}:
-            spans[model][job_id].append(at)
-    assert all(len(owners) == 1 for owners in claims.values()), "a job was claimed twice"
-    assert len({owner for owners in claims.values() for owner in owners}) == 2
-    for model, jobs in spans.items():
-        intervals = sorted((start, end) for start, end in jobs.values())
-        for (_, end), (start, _) in itertools.pairwise(intervals):
-            assert end <= start, f"two running jobs of {model} overlapped"
+    check_one_claim_and_no_overlap(rows)
+    assert len(claim_owners(rows)) == 2
     for name in models:
         assert checkpoints(env, name) == [f"{i:04d}" for i in range(11)]

@@ -2,21 +2,40 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
+import logging
 from collections.abc import AsyncIterator
 from typing import Annotated
 
-from fastapi import Depends, HTTPException, Request, Security
+from fastapi import Depends, HTTPException, Path, Query, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncSession
+
+from app.schemas.common import NO_NUL
+
+log = logging.getLogger(__name__)
 
 bearer = HTTPBearer(auto_error=False, description="A key from TRAINYARD_API_KEYS.")
 
 
 async def get_session(request: Request) -> AsyncIterator[AsyncSession]:
     """One session per request; routes commit what they change, anything else rolls back."""
-    async with request.app.state.sessions() as session:
+    session: AsyncSession = request.app.state.sessions()
+    try:
         yield session
+    finally:
+        try:
+            await asyncio.shield(session.close())
+        except (SQLAlchemyError, OSError) as exc:
+            # The database dropped the connection after the answer was ready (a restart):
+            # what the route committed stands and the rest went with the connection. This
+            # may run after the response has started: raising would cut it off half-way.
+            log.warning("request session closed on a lost connection: %s", exc)
+            with contextlib.suppress(Exception):
+                await session.invalidate()
 
 
 async def require_api_key(
@@ -39,3 +58,11 @@ async def require_api_key(
 
 
 Session = Annotated[AsyncSession, Depends(get_session)]
+
+# Identifiers and cursors are looked up in the database: no NUL characters (Postgres text
+# cannot hold one, so no stored value has one).
+JobId = Annotated[str, Path(pattern=NO_NUL)]
+Cursor = Annotated[
+    str | None, Query(pattern=NO_NUL, description="`next_cursor` of the previous page")
+]
+ModelFilter = Annotated[str | None, Query(pattern=NO_NUL, description="Only jobs of this model.")]

@@ -7,9 +7,12 @@ write matches zero rows, and stops.
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import logging
 import random
 import secrets
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -20,11 +23,14 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.backends.base import ModelSpec
-from app.db import utcnow, write_connection
+from app.db import is_unavailable, utcnow, write_connection
 from app.models import JobRow, JobStatus, ModelRow, WorkerRow
 from app.services.events import Event, add_events
 
+log = logging.getLogger(__name__)
 RUNNING = JobStatus.running.value
+# How long a final write keeps trying while the database is away.
+FINAL_WRITE_RETRY_SECONDS = 15.0
 # Core tables, not ORM entities: this module runs per job and the ORM layer costs CPU here.
 jobs = cast(Table, JobRow.__table__)
 models = cast(Table, ModelRow.__table__)
@@ -359,8 +365,42 @@ async def finish(
     }
     if status.is_final:
         values["finished_at"] = utcnow()
+    # A database that is away for a moment (restart, failover, a busy SQLite file) must
+    # not cost a finished job its result: try again for a while. Safe to repeat: once a
+    # write committed, the lease token is gone and a repeat matches nothing.
+    delay, deadline = 0.1, time.monotonic() + FINAL_WRITE_RETRY_SECONDS
+    while True:
+        try:
+            return await _finish_once(
+                engine,
+                lease,
+                values,
+                [*earlier_events, (event, data)],
+                model_update=model_update,
+                expired_before=expired_before,
+                unless_cancel_requested=unless_cancel_requested,
+                new_job=new_job,
+            )
+        except Exception as exc:
+            if not is_unavailable(exc) or time.monotonic() + delay > deadline:
+                raise
+            log.warning("job %s: final write failed (%s); retrying", lease.job_id, exc)
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 2.0)
+
+
+async def _finish_once(
+    engine: AsyncEngine,
+    lease: Lease,
+    values: dict[str, Any],
+    events: Sequence[Event],
+    *,
+    model_update: dict[str, Any] | None,
+    expired_before: datetime | None,
+    unless_cancel_requested: bool,
+    new_job: dict[str, Any] | None,
+) -> bool:
     async with write_connection(engine) as conn:
-        events = [*earlier_events, (event, data)]
         written = await _write(
             conn,
             lease,
