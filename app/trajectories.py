@@ -164,7 +164,11 @@ def _nat_assistant_problem(item: EpisodeItem, require_logprobs: bool) -> _Proble
             loc = ("metadata", *loc)
         elif loc[:2] == ("message", "tool_calls"):
             loc = ("metadata", *loc[1:])
-        return loc, msg, "invalid_choice"
+        return (
+            _within({"content": item.content, "metadata": item.metadata}, loc),
+            msg,
+            "invalid_choice",
+        )
     return None
 
 
@@ -217,7 +221,7 @@ def _art_trajectory_problems(
             _tools_adapter.validate_python(trajectory.tools)
         except ValidationError as exc:
             loc, msg = _first_error(exc)
-            yield ("tools", *loc), msg, "invalid_tools"
+            yield ("tools", *_within(trajectory.tools, loc)), msg, "invalid_tools"
 
 
 def _art_choice_problem(item: dict[str, Any], require_logprobs: bool) -> _Problem | None:
@@ -237,7 +241,7 @@ def _art_choice_problem(item: dict[str, Any], require_logprobs: bool) -> _Proble
         Choice.model_validate({**item, "logprobs": None})
     except ValidationError as exc:
         loc, msg = _first_error(exc)
-        return loc, msg, "invalid_choice"
+        return _within(item, loc), msg, "invalid_choice"
     return None
 
 
@@ -267,11 +271,19 @@ def _logprobs_problem(logprobs: Any) -> _Problem | None:
             f"{expected}: content must be a non-empty list, got {got}",
             "invalid_logprobs",
         )
-    for i, entry in enumerate(content):
-        problem = _token_logprob_problem(entry, nested=True)
-        if problem is not None:
-            loc, msg = problem
-            return ("logprobs", "content", i, *loc), msg, "invalid_logprobs"
+    refusal = logprobs.get("refusal")
+    if refusal is not None and not isinstance(refusal, list):
+        return (
+            ("logprobs", "refusal"),
+            f"refusal must be a list of token logprobs or null, got {_json_kind(refusal)}",
+            "invalid_logprobs",
+        )
+    for key, entries in (("content", content), ("refusal", refusal or [])):
+        for i, entry in enumerate(entries):
+            problem = _token_logprob_problem(entry, nested=True)
+            if problem is not None:
+                loc, msg = problem
+                return ("logprobs", key, i, *loc), msg, "invalid_logprobs"
     return None
 
 
@@ -281,11 +293,7 @@ def _token_logprob_problem(entry: Any, *, nested: bool) -> tuple[Loc, str] | Non
     if not isinstance(entry.get("token"), str):
         return ("token",), "token must be a string"
     logprob = entry.get("logprob")
-    if (
-        isinstance(logprob, bool)
-        or not isinstance(logprob, int | float)
-        or not math.isfinite(logprob)
-    ):
+    if isinstance(logprob, bool) or not isinstance(logprob, int | float) or not _finite(logprob):
         return ("logprob",), f"logprob must be a finite number, got {logprob!r}"
     raw = entry.get("bytes")
     if raw is not None and not (isinstance(raw, list) and all(type(b) is int for b in raw)):
@@ -299,6 +307,32 @@ def _token_logprob_problem(entry: Any, *, nested: bool) -> tuple[Loc, str] | Non
             if problem is not None:
                 return ("top_logprobs", j, *problem[0]), problem[1]
     return None
+
+
+def _within(document: Any, loc: Loc) -> Loc:
+    """`loc` as a path in the submitted `document`: without the parts pydantic adds that are
+    not in it (the union member it tried, e.g. `ChatCompletionMessageFunctionToolCall`; the
+    OpenAI shape a LangChain tool call was rewritten to). A last part that names a missing
+    key of an object stays."""
+    kept: list[str | int] = []
+    node = document
+    for i, part in enumerate(loc):
+        present = (isinstance(node, dict) and part in node) or (
+            isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node)
+        )
+        if present:
+            node = node[part]
+        elif i < len(loc) - 1 or not isinstance(node, dict):
+            continue
+        kept.append(part)
+    return tuple(kept)
+
+
+def _finite(number: float) -> bool:
+    try:
+        return math.isfinite(number)
+    except OverflowError:  # an integer too large for a float
+        return False
 
 
 def _first_error(exc: ValidationError) -> tuple[Loc, str]:

@@ -7,15 +7,18 @@ which refer to a dependency defined inside `add_event_routes`.
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Header, Query, Request
-from fastapi.sse import EventSourceResponse, ServerSentEvent
+from fastapi import APIRouter, Depends, Header, Query, Request, Response
+from fastapi.responses import StreamingResponse
+from fastapi.sse import KEEPALIVE_COMMENT, format_sse_event
+from pydantic import WithJsonSchema
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from app.api.deps import Session
-from app.errors import InvalidInputError, field_errors
-from app.models import JobKind, JobStatus
+from app.api.deps import JobId, Session
+from app.models import JobKind, JobRow, JobStatus
 from app.schemas.common import Page, problem_responses
 from app.schemas.jobs import JobEvent
 from app.services import events as event_service
@@ -24,25 +27,44 @@ from app.services.jobs import get_job
 MAX_SEQ = 2**31 - 1  # event seqs are 32-bit integers in the database
 STREAM_SECONDS = 300.0  # a stream ends after this; EventSource clients resume by Last-Event-ID
 POLL_SECONDS = 2.0  # fallback when no wake-up arrives (another process, no LISTEN)
+PING_SECONDS = 15.0  # a comment on an idle stream, so proxies do not close it
 
 
-def _last_event_id(value: str | None) -> int:
-    if value is None or value == "":
-        return 0
-    if not (value.isascii() and value.isdigit() and len(value) <= 10 and int(value) <= MAX_SEQ):
-        raise InvalidInputError(
-            "Last-Event-ID must be an event seq",
-            errors=field_errors(
-                [
-                    {
-                        "loc": ("header", "last-event-id"),
-                        "msg": "not an integer",
-                        "type": "int_parsing",
-                    }
-                ]
-            ),
-        )
-    return int(value)
+class EventStream(StreamingResponse):
+    """A `text/event-stream` response of SSE-formatted bytes.
+
+    Not FastAPI's `EventSourceResponse`: a route with that response class has FastAPI relay
+    the events it yields through a task that fails, and logs an unhandled error, when the
+    client leaves while events are still buffered (FastAPI 0.165). Starlette's streaming
+    response stops cleanly.
+    """
+
+    media_type = "text/event-stream"
+
+
+# The stream's events (OpenAPI 3.2 `itemSchema`): `data` is a JobEvent as JSON.
+SSE_RESPONSE = {
+    "description": "The job's events after the cursor, one SSE event each, until the job "
+    f"ends; a `: ping` comment every {PING_SECONDS:g} s while nothing happens.",
+    "content": {
+        "text/event-stream": {
+            "itemSchema": {
+                "type": "object",
+                "properties": {
+                    "data": {
+                        "type": "string",
+                        "contentMediaType": "application/json",
+                        "contentSchema": {"$ref": "#/components/schemas/JobEvent"},
+                    },
+                    "event": {"type": "string", "description": "The event's `type`."},
+                    "id": {"type": "string", "description": "The event's `seq`."},
+                    "retry": {"type": "integer", "minimum": 0},
+                },
+                "required": ["data", "event", "id"],
+            }
+        }
+    },
+}
 
 
 def add_event_routes(router: APIRouter, kind: JobKind) -> None:
@@ -53,7 +75,7 @@ def add_event_routes(router: APIRouter, kind: JobKind) -> None:
         responses=problem_responses(404, 422),
     )
     async def events(
-        job_id: str,
+        job_id: JobId,
         session: Session,
         after: Annotated[
             int, Query(ge=0, le=MAX_SEQ, description="Return events with seq > after.")
@@ -69,9 +91,21 @@ def add_event_routes(router: APIRouter, kind: JobKind) -> None:
         )
 
     async def stream_cursor(
-        job_id: str,
+        job_id: JobId,
         request: Request,
-        last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
+        last_event_id: Annotated[
+            int | None,
+            # A header is sent or not, never JSON null: without this the schema offers a
+            # `null` branch, which a client can only send as the text "null" (422).
+            WithJsonSchema({"type": "integer", "minimum": 0, "maximum": MAX_SEQ}),
+            Header(
+                alias="Last-Event-ID",
+                ge=0,
+                le=MAX_SEQ,
+                description="Seq of the last event received (an EventSource sends it when it "
+                "reconnects): the stream resumes after it. Wins over `after`.",
+            ),
+        ] = None,
         after: Annotated[
             int | None, Query(ge=0, le=MAX_SEQ, description="Start after this seq.")
         ] = None,
@@ -83,39 +117,64 @@ def add_event_routes(router: APIRouter, kind: JobKind) -> None:
         # A reconnecting EventSource repeats its URL (with any ?after=) and sends the
         # header, which is the newer of the two.
         if last_event_id is not None:
-            return _last_event_id(last_event_id)
+            return last_event_id
         return after or 0
 
     @router.get(
         "/{job_id}/events/stream",
-        response_class=EventSourceResponse,
+        # Documented by SSE_RESPONSE alone: a response class with a media type would add a
+        # `schema` (the whole body as one string) beside its `itemSchema`.
+        response_class=Response,
         summary="Stream a job's events (Server-Sent Events); resumes after Last-Event-ID",
-        responses=problem_responses(404, 422),
+        responses={200: SSE_RESPONSE, **problem_responses(404, 422)},
     )
     async def stream(
-        job_id: str, request: Request, cursor: Annotated[int, Depends(stream_cursor)]
-    ) -> AsyncIterator[ServerSentEvent]:
-        sessions = request.app.state.sessions
-        loop = asyncio.get_running_loop()
-        ends_at = loop.time() + STREAM_SECONDS
-        with request.app.state.notifier.watch_events(job_id) as changed:
-            while True:
-                changed.clear()
-                # A short session per poll: nothing stays open while the stream waits.
-                async with sessions() as session:
-                    items, _ = await event_service.list_events(
-                        session, job_id, after=cursor, limit=500
-                    )
-                    job = await get_job(session, job_id, kind=kind)
-                for item in items:
-                    cursor = item.seq
-                    yield ServerSentEvent(
-                        id=str(item.seq), event=item.type, data=item.model_dump(mode="json")
-                    )
-                if JobStatus(job.status).is_final and cursor >= job.last_event_seq:
-                    return
-                if loop.time() >= ends_at:
-                    return  # the client resumes from its Last-Event-ID
-                if not items:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(changed.wait(), POLL_SECONDS)
+        job_id: JobId, request: Request, cursor: Annotated[int, Depends(stream_cursor)]
+    ) -> EventStream:
+        return EventStream(
+            _events(request, job_id, cursor, kind),
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+
+async def _poll(
+    sessions: async_sessionmaker[AsyncSession], job_id: str, cursor: int, kind: JobKind
+) -> tuple[list[JobEvent], JobRow]:
+    # A short session per poll: nothing stays open while the stream waits.
+    async with sessions() as session:
+        items, _ = await event_service.list_events(session, job_id, after=cursor, limit=500)
+        return items, await get_job(session, job_id, kind=kind)
+
+
+async def _events(
+    request: Request, job_id: str, cursor: int, kind: JobKind
+) -> AsyncIterator[bytes]:
+    """The job's events after `cursor` in SSE wire format, until the job ends (or
+    STREAM_SECONDS pass); a comment every PING_SECONDS while nothing happens."""
+    sessions = request.app.state.sessions
+    loop = asyncio.get_running_loop()
+    ends_at = loop.time() + STREAM_SECONDS
+    sent_at = loop.time()
+    with request.app.state.notifier.watch_events(job_id) as changed:
+        while True:
+            changed.clear()
+            # Shielded: a client that leaves cancels the stream, and a database session
+            # cancelled mid-query does not close its connection cleanly.
+            items, job = await asyncio.shield(_poll(sessions, job_id, cursor, kind))
+            for item in items:
+                cursor = item.seq
+                # JSON as FastAPI wrote event data: `json.dumps` spacing, NaN as null.
+                data = json.dumps(json.loads(item.model_dump_json()))
+                yield format_sse_event(data_str=data, event=item.type, id=str(item.seq))
+            if items:
+                sent_at = loop.time()
+            if JobStatus(job.status).is_final and cursor >= job.last_event_seq:
+                return
+            if loop.time() >= ends_at:
+                return  # the client resumes from its Last-Event-ID
+            if loop.time() - sent_at >= PING_SECONDS:
+                yield KEEPALIVE_COMMENT  # so proxies keep an idle stream open
+                sent_at = loop.time()
+            if not items:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changed.wait(), POLL_SECONDS)

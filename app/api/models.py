@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Request, Response
+from fastapi import APIRouter, Path, Query, Request, Response
 from pydantic import BaseModel, Field
 
-from app.api.deps import Session
+from app.api.deps import Cursor, Session
 from app.backends import SPECS
-from app.schemas.common import Page, problem_responses
+from app.schemas.common import NO_NUL, Page, problem_responses
 from app.schemas.models import Model, ModelCreate
 from app.services import models as service
 
@@ -50,7 +50,7 @@ async def create(
 )
 async def list_all(
     session: Session,
-    after: Annotated[str | None, Query(description="`next_cursor` of the previous page")] = None,
+    after: Cursor = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
 ) -> Page[Model]:
     models, has_more = await service.list_models(session, after=after, limit=limit)
@@ -62,7 +62,7 @@ async def list_all(
 @router.get(
     "/{name}", response_model=Model, summary="Get a model", responses=problem_responses(404)
 )
-async def get(name: str, session: Session) -> Model:
+async def get(name: Annotated[str, Path(pattern=NO_NUL)], session: Session) -> Model:
     return await service.get_model(session, name=name)
 
 

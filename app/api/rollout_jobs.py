@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
 
-from app.api.deps import Session
+from app.api.deps import Cursor, JobId, ModelFilter, Session
 from app.api.job_events import add_event_routes
 from app.models import JobKind, JobStatus
 from app.schemas.common import Page, problem_responses
@@ -53,8 +53,8 @@ async def create(
 async def list_all(
     session: Session,
     status: Annotated[JobStatus | None, Query(description="Only jobs in this status.")] = None,
-    model: Annotated[str | None, Query(description="Only jobs of this model.")] = None,
-    after: Annotated[str | None, Query(description="`next_cursor` of the previous page")] = None,
+    model: ModelFilter = None,
+    after: Cursor = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
 ) -> Page[RolloutJob]:
     jobs, has_more = await jobs_service.list_jobs(
@@ -69,7 +69,7 @@ async def list_all(
     summary="Get a rollout job",
     responses=problem_responses(404),
 )
-async def get(job_id: str, session: Session) -> RolloutJob:
+async def get(job_id: JobId, session: Session) -> RolloutJob:
     return service.to_wire(await jobs_service.get_job(session, job_id, kind=ROLLOUT))
 
 
@@ -79,7 +79,7 @@ async def get(job_id: str, session: Session) -> RolloutJob:
     summary="Cancel a rollout job",
     responses=problem_responses(404, 409),
 )
-async def cancel(job_id: str, request: Request, session: Session) -> RolloutJob:
+async def cancel(job_id: JobId, request: Request, session: Session) -> RolloutJob:
     job = await jobs_service.cancel_job(session, job_id, kind=ROLLOUT)
     await session.commit()
     request.app.state.notifier.events_appended(job.id)
@@ -92,7 +92,7 @@ async def cancel(job_id: str, request: Request, session: Session) -> RolloutJob:
     summary="The built groups as a NeMo Agent Toolkit TrajectoryCollection",
     responses=problem_responses(404, 409),
 )
-async def trajectories(job_id: str, session: Session) -> TrajectoryCollection:
+async def trajectories(job_id: JobId, session: Session) -> TrajectoryCollection:
     job = await jobs_service.get_job(session, job_id, kind=ROLLOUT)
     await session.refresh(job, ["output"])
     return service.to_collection(job)

@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Request, Response
 
-from app.api.deps import Session
+from app.api.deps import Cursor, JobId, ModelFilter, Session
 from app.api.job_events import add_event_routes
 from app.models import JobKind, JobStatus
 from app.schemas.common import Page, problem_responses
@@ -69,8 +69,8 @@ async def create(
 async def list_all(
     session: Session,
     status: Annotated[JobStatus | None, Query(description="Only jobs in this status.")] = None,
-    model: Annotated[str | None, Query(description="Only jobs of this model.")] = None,
-    after: Annotated[str | None, Query(description="`next_cursor` of the previous page")] = None,
+    model: ModelFilter = None,
+    after: Cursor = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
 ) -> Page[TrainingJob]:
     jobs, has_more = await service.list_jobs(
@@ -85,7 +85,7 @@ async def list_all(
     summary="Get a training job",
     responses=problem_responses(404),
 )
-async def get(job_id: str, session: Session) -> TrainingJob:
+async def get(job_id: JobId, session: Session) -> TrainingJob:
     return service.to_wire(await service.get_job(session, job_id))
 
 
@@ -95,7 +95,7 @@ async def get(job_id: str, session: Session) -> TrainingJob:
     summary="Cancel a job (queued: at once; running: its worker interrupts it)",
     responses=problem_responses(404, 409),
 )
-async def cancel(job_id: str, request: Request, session: Session) -> TrainingJob:
+async def cancel(job_id: JobId, request: Request, session: Session) -> TrainingJob:
     job = await service.cancel_job(session, job_id)
     await session.commit()
     request.app.state.notifier.events_appended(job.id)

@@ -36,7 +36,7 @@ _NUMBER = re.compile(
 
 
 class _Grader(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class ExactMatchGrader(_Grader):
@@ -234,7 +234,10 @@ def _expected_number(expected: Any) -> float | None:
     if isinstance(expected, bool):
         return None
     if isinstance(expected, int | float):
-        value = float(expected)
+        try:
+            value = float(expected)
+        except OverflowError:  # an integer too large for a float
+            return None
     elif isinstance(expected, str) and _NUMBER.fullmatch(expected.strip()):
         value = _to_float(expected.strip())
     else:

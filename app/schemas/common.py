@@ -2,11 +2,44 @@
 
 from __future__ import annotations
 
-from typing import Any, Generic, Literal, TypeVar
+import math
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 T = TypeVar("T")
+
+MAX_JSON_DEPTH = 32
+"""How deep free-form JSON in a request may nest (`{"a": {"b": 1}}` is 2 deep)."""
+
+NO_NUL = r"^[^\x00]*$"
+"""Pattern of text the service stores or looks up: Postgres text and JSON hold no NUL."""
+
+
+def plain_json(value: T) -> T:
+    """Check free-form JSON the service stores and returns: finite numbers only (Python's
+    JSON parser accepts NaN and Infinity; JSON and Postgres do not), no NUL character in a
+    string or key (Postgres refuses them), and at most `MAX_JSON_DEPTH` levels of nesting
+    (responses cannot serialize much deeper values)."""
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            raise ValueError("numbers must be finite (no NaN or Infinity)")
+        if isinstance(item, str) and "\x00" in item:
+            raise ValueError("text must not contain NUL characters")
+        if isinstance(item, dict) and any("\x00" in key for key in item):
+            raise ValueError("keys must not contain NUL characters")
+        if isinstance(item, dict | list):
+            if depth == MAX_JSON_DEPTH:
+                raise ValueError(f"nests deeper than {MAX_JSON_DEPTH} levels")
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
+    return value
+
+
+JsonObject = Annotated[dict[str, Any], AfterValidator(plain_json)]
+"""A free-form JSON object, checked by `plain_json`."""
 
 
 class FieldError(BaseModel):

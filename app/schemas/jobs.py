@@ -2,22 +2,40 @@
 
 from __future__ import annotations
 
-import math
 from datetime import datetime
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from app.models import JobStatus
-from app.schemas.trajectories import ArtTrajectoryGroup, TrajectoryCollection, TrajectorySummary
+from app.schemas.common import NO_NUL, JsonObject
+from app.schemas.trajectories import (
+    NAT_COLLECTION_EXAMPLE,
+    ArtTrajectoryGroup,
+    TrajectoryCollection,
+    TrajectorySummary,
+)
 
 
 class TrainingJobCreate(BaseModel):
     """Trajectories to train one step on: NAT's `collection` or ART-style `groups`, not both."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(
+        extra="forbid",
+        strict=True,  # "1.0" is no number here (see RolloutJobCreate)
+        json_schema_extra={
+            "examples": [
+                {
+                    "model": "agent-7b",
+                    "collection": NAT_COLLECTION_EXAMPLE,
+                    "hyperparameters": {"learning_rate": 1e-5},
+                    "metadata": {"experiment": "baseline"},
+                }
+            ]
+        },
+    )
 
-    model: str = Field(description="Name of a registered model.")
+    model: str = Field(pattern=NO_NUL, description="Name of a registered model.")
     collection: TrajectoryCollection | None = Field(
         default=None,
         description="A NeMo Agent Toolkit `TrajectoryCollection`, as NAT serializes it.",
@@ -26,30 +44,15 @@ class TrainingJobCreate(BaseModel):
         default=None,
         description="ART-style trajectory groups (OpenAI-shaped messages and choices).",
     )
-    hyperparameters: dict[str, Any] = Field(
+    hyperparameters: JsonObject = Field(
         default_factory=dict,
         description="Training keywords the model's backend accepts (see `GET /v1/backends`); "
         "an unknown one is rejected.",
         examples=[{"learning_rate": 1e-5, "kl_penalty_coef": 0.1}],
     )
-    metadata: dict[str, Any] = Field(
+    metadata: JsonObject = Field(
         default_factory=dict, description="Free-form labels, returned with the job."
     )
-
-    @field_validator("metadata", "hyperparameters")
-    @classmethod
-    def _finite_numbers(cls, value: dict[str, Any]) -> dict[str, Any]:
-        # JSON has no NaN or Infinity; Python's parser accepts them and Postgres refuses them.
-        stack: list[Any] = [value]
-        while stack:
-            item = stack.pop()
-            if isinstance(item, float) and not math.isfinite(item):
-                raise ValueError("numbers must be finite (no NaN or Infinity)")
-            if isinstance(item, dict):
-                stack.extend(item.values())
-            elif isinstance(item, list):
-                stack.extend(item)
-        return value
 
     @model_validator(mode="after")
     def _exactly_one_source(self) -> TrainingJobCreate:

@@ -7,6 +7,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from app.schemas.common import NO_NUL, JsonObject
+
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 
 
@@ -15,6 +17,7 @@ class ModelCreate(BaseModel):
 
     model_config = ConfigDict(
         extra="forbid",
+        strict=True,
         json_schema_extra={
             "examples": [
                 {
@@ -33,10 +36,10 @@ class ModelCreate(BaseModel):
     )
     project: str = Field(default="default", pattern=NAME_PATTERN, description="ART project name.")
     base_model: str = Field(
-        min_length=1, max_length=512, description="Base model id or local path."
+        min_length=1, max_length=512, pattern=NO_NUL, description="Base model id or local path."
     )
     backend: str = Field(description="Trainer backend name (see `GET /v1/backends`).")
-    config: dict[str, Any] = Field(
+    config: JsonObject = Field(
         default_factory=dict,
         description="Backend configuration (see `GET /v1/backends` for its schema).",
     )

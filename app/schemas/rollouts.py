@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, HttpUrl, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, HttpUrl, model_validator
 
 from app.models import JobStatus
 from app.rollouts.graders import NEEDS_EXPECTED, Grader
+from app.schemas.common import NO_NUL, JsonObject, plain_json
 from app.schemas.jobs import JobError, JobProgress
 
 ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
@@ -17,14 +18,18 @@ ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 class Example(BaseModel):
     """One prompt to sample answers for."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    id: str | int = Field(description="Your id for the example; unique in the job.")
-    messages: list[dict[str, Any]] = Field(
+    id: Annotated[str, Field(pattern=NO_NUL)] | int = Field(
+        description="Your id for the example; unique in the job."
+    )
+    messages: Annotated[list[dict[str, Any]], AfterValidator(plain_json)] = Field(
         min_length=1, description="OpenAI-shaped chat messages: the prompt."
     )
-    expected: Any = Field(default=None, description="The reference answer graders compare to.")
-    metadata: dict[str, Any] = Field(default_factory=dict)
+    expected: Annotated[Any, AfterValidator(plain_json)] = Field(
+        default=None, description="The reference answer graders compare to."
+    )
+    metadata: JsonObject = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _roles(self) -> Example:
@@ -38,19 +43,21 @@ class Example(BaseModel):
 class Sampling(BaseModel):
     """Sampling parameters sent to the model's OpenAI-compatible endpoint."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
     max_tokens: int = Field(default=256, ge=1, le=32768)
     stop: str | list[str] | None = None
-    tools: list[dict[str, Any]] | None = Field(default=None, description="OpenAI tool specs.")
+    tools: Annotated[list[dict[str, Any]] | None, AfterValidator(plain_json)] = Field(
+        default=None, description="OpenAI tool specs."
+    )
 
 
 class Agent(BaseModel):
     """An agent service that runs its own episode per example and generation."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     url: HttpUrl = Field(
         description="Trainyard POSTs {example, generation, model: {base_url, api_key, name}} "
@@ -63,17 +70,39 @@ class Agent(BaseModel):
 class TrainAfter(BaseModel):
     """Enqueue a training job with the built groups when the rollout succeeds."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    hyperparameters: dict[str, Any] = Field(default_factory=dict)
+    hyperparameters: JsonObject = Field(default_factory=dict)
 
 
 class RolloutJobCreate(BaseModel):
     """Sample `num_generations` answers per example, grade them, group them per example."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(
+        extra="forbid",
+        # A value of another JSON type than the schema gives is refused, not coerced: "4" is
+        # no integer, 1 no boolean (the same in every request model).
+        strict=True,
+        json_schema_extra={
+            "examples": [
+                {
+                    "model": "agent-7b",
+                    "examples": [
+                        {
+                            "id": "q1",
+                            "messages": [{"role": "user", "content": "What is 2+2?"}],
+                            "expected": "4",
+                        }
+                    ],
+                    "num_generations": 4,
+                    "grader": {"type": "numeric"},
+                    "train": {"hyperparameters": {"learning_rate": 1e-5}},
+                }
+            ]
+        },
+    )
 
-    model: str = Field(description="Name of a registered model that is served.")
+    model: str = Field(pattern=NO_NUL, description="Name of a registered model that is served.")
     examples: list[Example] = Field(min_length=1, max_length=10_000)
     num_generations: int = Field(default=4, ge=1, le=64)
     sampling: Sampling = Field(default_factory=Sampling)
@@ -83,7 +112,7 @@ class RolloutJobCreate(BaseModel):
     )
     concurrency: int = Field(default=8, ge=1, le=256, description="Requests in flight at once.")
     train: TrainAfter | None = Field(default=None, description="Then train on the groups.")
-    metadata: dict[str, Any] = Field(default_factory=dict)
+    metadata: JsonObject = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _consistent(self) -> RolloutJobCreate:

@@ -41,7 +41,10 @@ class EpisodeItemRole(StrEnum):
 class EpisodeItem(BaseModel):
     """One turn of a NAT episode."""
 
-    role: EpisodeItemRole = Field(description="Who produced this turn.")
+    model_config = ConfigDict(strict=True)
+
+    # Lax: in strict mode a role must be an `EpisodeItemRole` object, not its JSON string.
+    role: EpisodeItemRole = Field(strict=False, description="Who produced this turn.")
     content: str = Field(description="The text of the turn.")
     logprobs: Any | None = Field(
         default=None,
@@ -68,6 +71,8 @@ NatEpisodeItem = Annotated[EpisodeItem, BeforeValidator(_reject_dpo_item)]
 class NatTrajectory(BaseModel):
     """One NAT trajectory: an episode and its reward."""
 
+    model_config = ConfigDict(strict=True)
+
     episode: list[NatEpisodeItem] = Field(description="The turns, in order.")
     reward: float = Field(allow_inf_nan=False, description="The total reward for the episode.")
     shaped_rewards: list[float] | None = Field(
@@ -80,51 +85,49 @@ class NatTrajectory(BaseModel):
     )
 
 
+NAT_COLLECTION_EXAMPLE: dict[str, Any] = {
+    "run_id": "art_run_1a2b3c4d",
+    "trajectories": [
+        [
+            {
+                "episode": [
+                    {
+                        "role": "user",
+                        "content": "2+2?",
+                        "logprobs": None,
+                        "metadata": None,
+                    },
+                    {
+                        "role": "assistant",
+                        "content": "4",
+                        "logprobs": {
+                            "content": [
+                                {
+                                    "token": "token_id:19",
+                                    "logprob": -0.01,
+                                    "bytes": [52],
+                                    "top_logprobs": [],
+                                }
+                            ],
+                            "refusal": None,
+                        },
+                        "metadata": None,
+                    },
+                ],
+                "reward": 1.0,
+                "shaped_rewards": None,
+                "metadata": {"id": 1, "generation": 0},
+            }
+        ]
+    ],
+}
+"""A NAT `TrajectoryCollection` with one group of one trajectory, as NAT serializes it."""
+
+
 class TrajectoryCollection(BaseModel):
     """NAT `TrajectoryCollection`: groups of trajectories sampled for the same input."""
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "examples": [
-                {
-                    "run_id": "art_run_1a2b3c4d",
-                    "trajectories": [
-                        [
-                            {
-                                "episode": [
-                                    {
-                                        "role": "user",
-                                        "content": "2+2?",
-                                        "logprobs": None,
-                                        "metadata": None,
-                                    },
-                                    {
-                                        "role": "assistant",
-                                        "content": "4",
-                                        "logprobs": {
-                                            "content": [
-                                                {
-                                                    "token": "token_id:19",
-                                                    "logprob": -0.01,
-                                                    "bytes": [52],
-                                                    "top_logprobs": [],
-                                                }
-                                            ],
-                                            "refusal": None,
-                                        },
-                                        "metadata": None,
-                                    },
-                                ],
-                                "reward": 1.0,
-                                "shaped_rewards": None,
-                                "metadata": {"id": 1, "generation": 0},
-                            }
-                        ]
-                    ],
-                }
-            ]
-        }
-    )
+    model_config = ConfigDict(strict=True, json_schema_extra={"examples": [NAT_COLLECTION_EXAMPLE]})
 
     trajectories: list[list[NatTrajectory]] = Field(
         description="Outer list: groups (one per input example); inner list: the trajectories "
@@ -137,6 +140,8 @@ class TrajectoryCollection(BaseModel):
 
 class ArtTrajectory(BaseModel):
     """One ART trajectory: OpenAI chat messages and choices, plus its reward."""
+
+    model_config = ConfigDict(strict=True)
 
     messages_and_choices: list[dict[str, Any]] = Field(
         description="The conversation in order. Each item is either an OpenAI chat message "
@@ -160,6 +165,7 @@ class ArtTrajectoryGroup(BaseModel):
     """An ART trajectory group: trajectories for the same input, compared by reward."""
 
     model_config = ConfigDict(
+        strict=True,
         json_schema_extra={
             "examples": [
                 {
@@ -189,7 +195,7 @@ class ArtTrajectoryGroup(BaseModel):
                     "metadata": {"example_id": 1},
                 }
             ]
-        }
+        },
     )
 
     trajectories: list[ArtTrajectory] = Field(description="The trajectories of this group.")

@@ -153,9 +153,10 @@ def to_collection(job: JobRow) -> TrajectoryCollection:
             for item in trajectory.messages_and_choices:
                 if "finish_reason" in item and "message" in item:  # a sampled Choice
                     message = item["message"]
-                    metadata = (
-                        {"tool_calls": message["tool_calls"]} if message.get("tool_calls") else None
-                    )
+                    # NAT keeps a turn's finish reason and tool calls in its metadata.
+                    metadata = {"finish_reason": item["finish_reason"]}
+                    if message.get("tool_calls"):
+                        metadata["tool_calls"] = message["tool_calls"]
                     episode.append(
                         {
                             "role": "assistant",
