@@ -155,7 +155,7 @@ async def _commit_rate(url: str, seconds: float = 2.0) -> float:
     return count / (time.perf_counter() - start)
 
 
-async def throughput(data_dir: Path, jobs: int = 600, models: int = 60) -> dict[str, float]:
+async def throughput(data_dir: Path, jobs: int = 3000, models: int = 60) -> dict[str, float]:
     await _reset(POSTGRES)
     engine = create_engine(POSTGRES)
     await migrate(engine)
@@ -279,7 +279,7 @@ async def main() -> dict[str, float]:
             results[f"dispatch_p50_{name.lower()}_ms"] = r["p50"] * 1000
         t = await throughput(root / "t")
     report(
-        "throughput: 2 worker processes, Postgres, 600 jobs over 60 models, no-op training",
+        "throughput: 2 worker processes, Postgres, 3000 jobs over 60 models, no-op training",
         [
             ("jobs/s", f"{t['jobs_per_s']:.0f} (goal >= 300)"),
             ("baseline: empty commits/s, one connection", f"{t['commit_rate']:.0f}"),
