@@ -17,7 +17,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from app.models import JobEventRow, JobRow
 from app.settings import Settings
 
 T = TypeVar("T")
@@ -133,3 +136,23 @@ def check_one_claim_and_no_overlap(rows: Iterable[tuple[str, str, datetime, Any,
 def claim_owners(rows: Iterable[tuple[str, str, datetime, Any, str]]) -> set[str]:
     """The workers that claimed jobs, from the same rows."""
     return {data["worker"] for _, type_, _, data, _ in rows if type_ == "job_claimed"}
+
+
+async def event_rows(sessions: async_sessionmaker[AsyncSession]) -> list[Any]:
+    """Every event with its job's model, in the order they were written."""
+    async with sessions() as session:
+        return list(
+            (
+                await session.execute(
+                    select(
+                        JobEventRow.job_id,
+                        JobEventRow.type,
+                        JobEventRow.created_at,
+                        JobEventRow.data,
+                        JobRow.model_name,
+                    )
+                    .join(JobRow, JobRow.id == JobEventRow.job_id)
+                    .order_by(JobEventRow.id)
+                )
+            ).all()
+        )

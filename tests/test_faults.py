@@ -31,7 +31,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from app.backends.dry_run import DryRunBackend
 from app.db import create_engine, create_sessionmaker
 from app.main import create_app
-from app.models import JobEventRow, JobRow, ModelRow
+from app.models import JobRow, ModelRow
 from app.settings import Settings
 from tests import factories as f
 from tests.backends import FINAL, wait_final
@@ -40,6 +40,7 @@ from tests.processes import (
     check_one_claim_and_no_overlap,
     checkpoints,
     claim_owners,
+    event_rows,
     free_port,
     start_api,
     start_worker,
@@ -65,26 +66,6 @@ def assert_unavailable(response: httpx.Response) -> dict[str, Any]:
     body: dict[str, Any] = response.json()
     assert body["status"] == 503
     return body
-
-
-async def event_rows(sessions: async_sessionmaker[AsyncSession]) -> list[Any]:
-    """Every event with its job's model, in the order they were written."""
-    async with sessions() as session:
-        return list(
-            (
-                await session.execute(
-                    select(
-                        JobEventRow.job_id,
-                        JobEventRow.type,
-                        JobEventRow.created_at,
-                        JobEventRow.data,
-                        JobRow.model_name,
-                    )
-                    .join(JobRow, JobRow.id == JobEventRow.job_id)
-                    .order_by(JobEventRow.id)
-                )
-            ).all()
-        )
 
 
 async def job_rows(sessions: async_sessionmaker[AsyncSession]) -> list[JobRow]:

@@ -8,10 +8,11 @@ import signal
 import pytest
 from sqlalchemy import func, select
 
-from app.models import JobEventRow, JobRow
+from app.models import JobRow
 from tests.processes import (
     check_one_claim_and_no_overlap,
     claim_owners,
+    event_rows,
     start_worker,
     stop,
     until,
@@ -115,20 +116,7 @@ async def test_two_workers_on_postgres_share_a_burst_without_overlap(
     finally:
         for worker in workers:
             stop(worker)
-    async with env.sessions() as session:
-        rows = (
-            await session.execute(
-                select(
-                    JobEventRow.job_id,
-                    JobEventRow.type,
-                    JobEventRow.created_at,
-                    JobEventRow.data,
-                    JobRow.model_name,
-                )
-                .join(JobRow, JobRow.id == JobEventRow.job_id)
-                .order_by(JobEventRow.id)
-            )
-        ).all()
+    rows = await event_rows(env.sessions)
     check_one_claim_and_no_overlap(rows)
     assert len(claim_owners(rows)) == 2
     for name in models:
