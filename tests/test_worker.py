@@ -13,7 +13,7 @@ from sqlalchemy.exc import IntegrityError
 from app.backends import Backends
 from app.db import create_engine, create_sessionmaker, transaction, utcnow
 from app.migrate import migrate
-from app.models import JobEventRow, JobRow, JobStatus
+from app.models import JobEventRow, JobRow, JobStatus, ModelRow
 from app.notify import Notifier
 from app.schemas.jobs import TrainingJobCreate
 from app.schemas.models import ModelCreate
@@ -188,10 +188,21 @@ async def test_a_stale_lease_writes_nothing(env: Env) -> None:
     assert fresh is not None and fresh.lease.attempt == 2
     beat = await queue.heartbeat(env.engine, stale.lease, lease_seconds=30)
     assert beat.alive is False
+    events_before = await env.events(job_id)
     assert not await queue.finish(
-        env.engine, stale.lease, status=JobStatus.succeeded, event="training_ended", data={}
+        env.engine,
+        stale.lease,
+        status=JobStatus.succeeded,
+        event="training_ended",
+        data={},
+        earlier_events=[("training_started", {})],
+        model_update={"current_step": 99},
     )
+    # Nothing of the stale write lands: not the job, not its events, not the model.
     assert (await env.row(job_id)).status == "running"
+    assert await env.events(job_id) == events_before
+    async with env.sessions() as session:
+        assert (await session.get(ModelRow, "agent")).current_step != 99
     await env.worker.process(fresh)
     assert (await env.row(job_id)).status == "succeeded"
 
@@ -297,6 +308,21 @@ async def test_a_batch_claim_takes_one_job_per_model(env: Env) -> None:
     claims = await queue.claim(env.engine, owner="test", lease_seconds=30, limit=3)
     assert [c.lease.job_id for c in claims] == [a1, b1, c1]
     assert {c.model.name for c in claims} == {"a", "b", "c"}
+    assert len({c.lease.token for c in claims}) == 3  # each job its own fencing token
+    for c in claims:
+        row = await env.row(c.lease.job_id)
+        assert (row.status, row.lease_token, row.lease_owner, row.attempts) == (
+            "running",
+            c.lease.token,
+            "test",
+            1,
+        )
+        async with env.sessions() as session:
+            claimed = await session.scalar(
+                select(JobEventRow).where(JobEventRow.job_id == row.id, JobEventRow.seq == 2)
+            )
+        assert (claimed.type, claimed.data) == ("job_claimed", {"worker": "test", "attempt": 1})
+        assert row.last_event_seq == 2
     assert (await env.row(a2)).status == "queued"
     assert await queue.claim(env.engine, owner="test", lease_seconds=30, limit=3) == []
 

@@ -1,14 +1,15 @@
 """Claiming, leases and guarded writes: the database side of the workers.
 
-Each function is one short transaction on a bare connection (this is the hot path). A
-worker that lost its lease (another worker recovered the job) finds that every guarded
-write matches zero rows, and stops.
+Each function is one short transaction on a bare connection (this is the hot path; on
+Postgres a claim and a final write are one statement each, see `statements`). A worker
+that lost its lease (another worker recovered the job) finds that every guarded write
+matches zero rows, and stops.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
+import json
 import logging
 import random
 import secrets
@@ -16,27 +17,24 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, cast
+from typing import Any
 
-from sqlalchemy import Table, and_, bindparam, insert, select, update
+from sqlalchemy import insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.backends.base import ModelSpec
 from app.db import is_unavailable, utcnow, write_connection
-from app.models import JobRow, JobStatus, ModelRow, WorkerRow
+from app.models import JobStatus
 from app.services.events import Event, add_events
+from app.worker import statements
+from app.worker.statements import RUNNING, jobs, workers
 
 log = logging.getLogger(__name__)
-RUNNING = JobStatus.running.value
 # How long a final write keeps trying while the database is away.
 FINAL_WRITE_RETRY_SECONDS = 15.0
-# Core tables, not ORM entities: this module runs per job and the ORM layer costs CPU here.
-jobs = cast(Table, JobRow.__table__)
-models = cast(Table, ModelRow.__table__)
-workers = cast(Table, WorkerRow.__table__)
-_running = jobs.alias("running")
-_busy_models = select(_running.c.model_name).where(_running.c.status == RUNNING)
+# Times a claim looks again after colliding with another worker's on the same model.
+CLAIM_COLLISIONS = 8
 
 
 @dataclass(frozen=True)
@@ -65,52 +63,28 @@ class Claim:
     start_step: int | None = None
 
 
-# The hot statements are built once per shape, with bound parameters: SQLAlchemy then
-# reuses their cache keys and compiled SQL instead of rebuilding both for every job.
-
-
 def _lease_params(lease: Lease) -> dict[str, Any]:
     return {"g_id": lease.job_id, "g_token": lease.token}
-
-
-def _guarded(*extra: Any) -> Any:
-    """The lease's job, still running under the same token."""
-    return and_(
-        jobs.c.id == bindparam("g_id"),
-        jobs.c.lease_token == bindparam("g_token"),
-        jobs.c.status == RUNNING,
-        *extra,
-    )
-
-
-@functools.cache
-def _job_update(keys: tuple[str, ...], expired_before: bool, unless_cancel: bool) -> Any:
-    extra = []
-    if expired_before:
-        extra.append(jobs.c.lease_expires_at < bindparam("g_expired_before"))
-    if unless_cancel:
-        extra.append(jobs.c.cancel_requested.is_(False))
-    values: dict[Any, Any] = {key: bindparam(f"v_{key}") for key in keys}
-    values |= {
-        "last_event_seq": jobs.c.last_event_seq + bindparam("g_events"),
-        "updated_at": bindparam("g_now"),
-    }
-    return update(jobs).where(_guarded(*extra)).values(values).returning(jobs.c.last_event_seq)
-
-
-@functools.cache
-def _model_update(keys: tuple[str, ...]) -> Any:
-    return (
-        update(models)
-        .where(models.c.name == bindparam("m_name"))
-        .values({key: bindparam(f"v_{key}") for key in keys})
-    )
 
 
 def backoff_seconds(attempt: int, base: float) -> float:
     """Exponential backoff with jitter: uniform in [c/2, c] where c = base * 2^(attempt-1)."""
     ceiling = base * 2 ** max(attempt - 1, 0)
     return random.uniform(ceiling / 2, ceiling)
+
+
+def _write_params(
+    lease: Lease,
+    values: dict[str, Any],
+    events: Sequence[Event],
+    expired_before: datetime | None,
+) -> tuple[Any, dict[str, Any]]:
+    keys = tuple(sorted(values))
+    params = {f"v_{key}": values[key] for key in keys}
+    params |= _lease_params(lease) | {"g_events": len(events), "g_now": utcnow()}
+    if expired_before is not None:
+        params["g_expired_before"] = expired_before
+    return keys, params
 
 
 async def _write(
@@ -124,12 +98,8 @@ async def _write(
 ) -> int | None:
     """Guarded update of a running job that also numbers its new events; None if nothing
     matched (the lease is lost). `expired_before`: only while the lease is still expired."""
-    keys = tuple(sorted(values))
-    statement = _job_update(keys, expired_before is not None, unless_cancel_requested)
-    params = {f"v_{key}": values[key] for key in keys}
-    params |= _lease_params(lease) | {"g_events": len(events), "g_now": utcnow()}
-    if expired_before is not None:
-        params["g_expired_before"] = expired_before
+    keys, params = _write_params(lease, values, events, expired_before)
+    statement = statements.job_update(keys, expired_before is not None, unless_cancel_requested)
     seq = (await conn.execute(statement, params)).scalar_one_or_none()
     if seq is not None:
         await add_events(conn, lease.job_id, seq, events)
@@ -139,17 +109,18 @@ async def _write(
 async def update_model(conn: AsyncConnection, name: str, values: dict[str, Any]) -> None:
     keys = tuple(sorted(values))
     await conn.execute(
-        _model_update(keys), {"m_name": name} | {f"v_{key}": values[key] for key in keys}
+        statements.model_update(keys), {"m_name": name} | {f"m_{key}": values[key] for key in keys}
     )
 
 
 async def claim(
     engine: AsyncEngine, *, owner: str, lease_seconds: float, limit: int = 1
 ) -> list[Claim]:
-    """Take up to `limit` of the oldest eligible queued jobs, at most one per model, in one
-    transaction. Never two running jobs per model. Fewer than `limit`: no other job is
-    eligible right now."""
-    for _ in range(8):
+    """Take up to `limit` of the oldest eligible queued jobs, at most one per model. Never
+    two running jobs per model. Fewer than `limit`: no other job is eligible right now."""
+    if engine.dialect.name == "postgresql":
+        return await _claim_alone(engine, owner=owner, lease_seconds=lease_seconds, limit=limit)
+    for _ in range(CLAIM_COLLISIONS):
         try:
             async with write_connection(engine) as conn:
                 return await _claim_once(
@@ -165,8 +136,9 @@ async def claim(
 async def _claim_once(
     conn: AsyncConnection, *, owner: str, lease_seconds: float, limit: int
 ) -> list[Claim]:
+    """SQLite: look and take inside the caller's BEGIN IMMEDIATE transaction."""
     now = utcnow()
-    query = _claim_query(conn.dialect.name == "postgresql")
+    query = statements.claim_query()
     claims: list[Claim] = []
     while len(claims) < limit:
         wanted = limit - len(claims)
@@ -185,62 +157,6 @@ async def _claim_once(
     return claims
 
 
-@functools.cache
-def _claim_query(postgres: bool) -> Any:
-    query = (
-        select(
-            jobs.c.id,
-            jobs.c.model_name,
-            jobs.c.kind,
-            models.c.project,
-            models.c.base_model,
-            models.c.backend,
-            models.c.config,
-            models.c.current_step,
-            models.c.step_known,
-        )
-        .join(models, models.c.name == jobs.c.model_name)
-        .where(
-            jobs.c.status == JobStatus.queued.value,
-            jobs.c.not_before <= bindparam("now"),
-            jobs.c.model_name.not_in(_busy_models),
-        )
-        .order_by(jobs.c.not_before, jobs.c.id)
-        .limit(bindparam("page"))
-    )
-    if postgres:
-        # Locking the model row too makes a concurrent claimer skip every job of a model
-        # that is being claimed right now, instead of colliding on the unique index.
-        query = query.with_for_update(skip_locked=True, of=(jobs, models))
-    return query
-
-
-_TAKE = (
-    update(jobs)
-    .where(jobs.c.id == bindparam("g_id"), jobs.c.status == JobStatus.queued.value)
-    .values(
-        status=RUNNING,
-        lease_token=bindparam("v_token"),
-        lease_owner=bindparam("v_owner"),
-        lease_expires_at=bindparam("v_expires"),
-        attempts=jobs.c.attempts + 1,
-        started_at=bindparam("v_now"),
-        progress_step=0,
-        progress_total=None,
-        start_step=bindparam("v_start_step"),
-        last_event_seq=jobs.c.last_event_seq + 1,
-    )
-    .returning(
-        jobs.c.attempts,
-        jobs.c.last_event_seq,
-        jobs.c.payload,
-        jobs.c.payload_bytes,
-        jobs.c.hyperparameters,
-        jobs.c.max_attempts,
-    )
-)
-
-
 async def _take(
     conn: AsyncConnection, row: Any, *, owner: str, now: datetime, lease_seconds: float
 ) -> Claim:
@@ -256,13 +172,18 @@ async def _take(
         "v_now": now,
         "v_start_step": start_step,
     }
-    job = (await conn.execute(_TAKE, params)).one()
+    job = (await conn.execute(statements.TAKE, params)).one()
     await add_events(
         conn,
         row.id,
         job.last_event_seq,
         [("job_claimed", {"worker": owner, "attempt": job.attempts})],
     )
+    return _claim(row, job, token=token, owner=owner, start_step=start_step)
+
+
+def _claim(row: Any, job: Any, *, token: str, owner: str, start_step: int | None) -> Claim:
+    """`row`: the job's id, kind and model as the claim read them; `job`: the taken job."""
     return Claim(
         lease=Lease(row.id, token, owner, row.model_name, row.kind, job.attempts),
         model=ModelSpec(row.model_name, row.project, row.base_model, row.config),
@@ -273,6 +194,44 @@ async def _take(
         max_attempts=job.max_attempts,
         start_step=start_step,
     )
+
+
+async def _claim_alone(
+    engine: AsyncEngine, *, owner: str, lease_seconds: float, limit: int
+) -> list[Claim]:
+    """Postgres: each look is one statement (`statements.claim_statement`) outside a
+    transaction, committed by itself, so what one look claimed stays claimed if a later
+    look collides."""
+    claims: list[Claim] = []
+    collisions = 0
+    async with engine.connect() as conn:
+        conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
+        while len(claims) < limit:
+            wanted = limit - len(claims)
+            now = utcnow()
+            params = {
+                "now": now,
+                "page": wanted * 4,
+                "wanted": wanted,
+                "v_secret": secrets.token_hex(16),
+                "v_owner": owner,
+                "v_expires": now + timedelta(seconds=lease_seconds),
+                "v_now": now,
+            }
+            try:
+                rows = (await conn.execute(statements.claim_statement(), params)).all()
+            except IntegrityError:
+                collisions += 1  # as in `claim`: another worker, same model; look again
+                if collisions == CLAIM_COLLISIONS:
+                    break
+                continue
+            for row in sorted(rows, key=lambda r: (r.not_before, r.id)):
+                claims.append(
+                    _claim(row, row, token=row.lease_token, owner=owner, start_step=row.start_step)
+                )
+            if not rows or rows[0].candidates < wanted * 4:
+                break  # every eligible job was seen (see `_claim_once`)
+    return claims
 
 
 @dataclass(frozen=True)
@@ -297,28 +256,12 @@ async def heartbeat(
     if progress is not None:
         params["v_step"], params["v_total"] = progress
     async with write_connection(engine) as conn:
-        statement = _heartbeat(with_progress=progress is not None)
+        statement = statements.heartbeat(with_progress=progress is not None)
         row = (await conn.execute(statement, params)).one_or_none()
         if row is None:
             return Heartbeat(alive=False, cancel_requested=False)
         await add_events(conn, lease.job_id, row.last_event_seq, events)
         return Heartbeat(alive=True, cancel_requested=row.cancel_requested)
-
-
-@functools.cache
-def _heartbeat(*, with_progress: bool) -> Any:
-    values: dict[str, Any] = {
-        "lease_expires_at": bindparam("v_expires"),
-        "last_event_seq": jobs.c.last_event_seq + bindparam("g_events"),
-    }
-    if with_progress:
-        values |= {"progress_step": bindparam("v_step"), "progress_total": bindparam("v_total")}
-    return (
-        update(jobs)
-        .where(_guarded())
-        .values(values)
-        .returning(jobs.c.cancel_requested, jobs.c.last_event_seq)
-    )
 
 
 def started_event(lease: Lease, start_step: int, data: dict[str, Any]) -> Event:
@@ -400,6 +343,24 @@ async def _finish_once(
     unless_cancel_requested: bool,
     new_job: dict[str, Any] | None,
 ) -> bool:
+    if new_job is None and engine.dialect.name == "postgresql":
+        # One statement outside a transaction, so it commits by itself: one round trip
+        # where BEGIN, three statements and COMMIT took five.
+        keys, params = _write_params(lease, values, events, expired_before)
+        model_values = model_update or {}
+        model_keys = tuple(sorted(model_values))
+        statement = statements.write_in_one(
+            keys, expired_before is not None, unless_cancel_requested, model_keys
+        )
+        params |= {f"m_{key}": model_values[key] for key in model_keys}
+        params |= {
+            "m_name": lease.model_name,
+            "e_types": [type_ for type_, _ in events],
+            "e_data": [json.dumps(data) for _, data in events],
+        }
+        async with engine.connect() as conn:
+            conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
+            return (await conn.execute(statement, params)).scalar_one_or_none() is not None
     async with write_connection(engine) as conn:
         written = await _write(
             conn,
