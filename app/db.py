@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -64,6 +67,37 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+def json_dumps(value: Any) -> str:
+    """The serializer of every JSON column. NaN and Infinity (a diverged loss, say) are
+    stored as null: Postgres refuses them in JSON, and so do strict JSON readers. Numeric
+    scalars of numpy or torch (what trainers report metrics in) are stored as numbers."""
+    try:
+        return json.dumps(value, allow_nan=False, default=_number)
+    except ValueError:
+        return json.dumps(_finite(value), allow_nan=False, default=_number)
+
+
+def _number(value: Any) -> float | int:
+    item = getattr(value, "item", None)  # numpy and torch scalars
+    number = item() if callable(item) else value
+    if isinstance(number, int | float) and not isinstance(number, bool):
+        return number
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(item) for item in value]
+    if not isinstance(value, str | int | bool | type(None)):
+        with contextlib.suppress(TypeError):
+            value = _number(value)
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    return value
+
+
 def _sqlite_on_connect(busy_timeout: float) -> Callable[[Any, Any], None]:
     def on_connect(dbapi_connection: Any, _record: Any) -> None:
         # Let SQLAlchemy's "begin" hook emit BEGIN itself (see _sqlite_on_begin).
@@ -111,11 +145,11 @@ def create_engine(
     if url.get_backend_name() == "sqlite":
         if url.database and url.database != ":memory:":
             Path(url.database).parent.mkdir(parents=True, exist_ok=True)
-        engine = create_async_engine(url, **kwargs)
+        engine = create_async_engine(url, json_serializer=json_dumps, **kwargs)
         event.listen(engine.sync_engine, "connect", _sqlite_on_connect(sqlite_busy_timeout))
         event.listen(engine.sync_engine, "begin", _sqlite_on_begin)
         return engine
-    engine = create_async_engine(url, **kwargs)
+    engine = create_async_engine(url, json_serializer=json_dumps, **kwargs)
     _ping_when_idle(engine)
     return engine
 

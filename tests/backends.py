@@ -4,6 +4,7 @@ Protocol with the same data: the dry-run backend, recording what it was handed."
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import art
 import httpx
 
+from app.backends.base import report_gradient_step
 from app.backends.dry_run import DryRunBackend
 
 FINAL = {"succeeded", "failed", "cancelled"}
@@ -46,6 +48,33 @@ class FlakyBackend(DryRunBackend):
         self.attempts += 1
         if self.attempts <= self.failures:
             raise ConnectionRefusedError(111, "Connection refused")
+        return await super().train(model, trajectory_groups, **kwargs)
+
+
+class DivergingBackend(DryRunBackend):
+    """Training that diverged: its gradient step and its result report NaN and infinite
+    metrics, as a real trainer does when the loss blows up."""
+
+    async def train(self, model: Any, trajectory_groups: Any, **kwargs: Any) -> art.TrainResult:
+        report_gradient_step({"loss/train": math.nan, "grad_norm": math.inf, "step": 1})
+        result = await super().train(model, trajectory_groups, **kwargs)
+        result.metrics |= {"loss/train": math.nan, "grad_norm": -math.inf}
+        return result
+
+
+class UnwritableProgressBackend(DryRunBackend):
+    """Reports a gradient step whose metrics cannot be stored, then trains on for long."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.stopped = asyncio.Event()
+
+    async def train(self, model: Any, trajectory_groups: Any, **kwargs: Any) -> art.TrainResult:
+        report_gradient_step({"loss/train": object(), "step": 1})
+        try:
+            await asyncio.sleep(60)
+        finally:
+            self.stopped.set()
         return await super().train(model, trajectory_groups, **kwargs)
 
 

@@ -177,6 +177,45 @@ async def test_process_trains_and_applies_the_result(env: Env) -> None:
     ]
 
 
+async def test_a_diverged_step_with_nan_metrics_is_recorded(make_settings, tmp_path) -> None:
+    # Postgres' JSON refuses NaN and Infinity: stored as null, on both dialects alike.
+    from tests.backends import DivergingBackend
+
+    async for env in _env(make_settings, DivergingBackend(tmp_path / "backend")):
+        await env.model()
+        job_id = await env.job()
+        await env.worker.process(await env.claim())
+        row = await env.row(job_id)
+        assert (row.status, row.final_step) == ("succeeded", 1)
+        assert row.metrics["loss/train"] is None and row.metrics["grad_norm"] is None
+        async with env.sessions() as session:
+            step = await session.scalar(
+                select(JobEventRow.data).where(
+                    JobEventRow.job_id == job_id, JobEventRow.type == "gradient_step"
+                )
+            )
+        assert step["metrics"] == {"loss/train": None, "grad_norm": None, "step": 1}
+
+
+async def test_a_heartbeat_the_database_refuses_stops_training_at_once(
+    make_settings, tmp_path
+) -> None:
+    # Not "the database is away" (that is retried while the lease lasts): the job stops
+    # and settles now, instead of training on unwatched until its lease lapses.
+    from tests.backends import UnwritableProgressBackend
+
+    backend = UnwritableProgressBackend(tmp_path / "backend")
+    async for env in _env(make_settings, backend):
+        await env.model()
+        job_id = await env.job()
+        await env.worker.process(await env.claim())
+        assert backend.stopped.is_set()
+        row = await env.row(job_id)
+        # Settled by this worker (before, it gave the lease up as lost: still running).
+        assert row.status in ("queued", "failed") and row.lease_token is None
+        assert "not JSON serializable" in row.error["message"]
+
+
 async def test_a_stale_lease_writes_nothing(env: Env) -> None:
     await env.model()
     job_id = await env.job()

@@ -9,7 +9,6 @@ matches zero rows, and stops.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
 import secrets
@@ -24,7 +23,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.backends.base import ModelSpec
-from app.db import is_unavailable, utcnow, write_connection
+from app.db import is_unavailable, json_dumps, utcnow, write_connection
 from app.models import JobStatus
 from app.services.events import Event, add_events
 from app.worker import statements
@@ -356,7 +355,7 @@ async def _finish_once(
         params |= {
             "m_name": lease.model_name,
             "e_types": [type_ for type_, _ in events],
-            "e_data": [json.dumps(data) for _, data in events],
+            "e_data": [json_dumps(data) for _, data in events],
         }
         async with engine.connect() as conn:
             conn = await conn.execution_options(isolation_level="AUTOCOMMIT")

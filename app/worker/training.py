@@ -14,11 +14,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.backends import Backends
 from app.backends.base import BackendError, ModelSpec, TrainerAdapter, classify
+from app.db import is_unavailable
 from app.models import JobStatus
 from app.services.events import Event
 from app.services.jobs import load_groups
@@ -270,7 +270,9 @@ async def supervise(
                 progress=(progress.step, progress.total),
                 events=events,
             )
-        except (OSError, SQLAlchemyError) as exc:
+        except Exception as exc:
+            if not is_unavailable(exc):
+                raise  # the caller stops training and settles the job
             # The database is away (restart, failover): keep training while the lease may
             # still be ours, and try again soon.
             progress.events[:0] = events
