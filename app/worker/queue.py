@@ -215,7 +215,6 @@ async def _claim_alone(
                 "v_secret": secrets.token_hex(16),
                 "v_owner": owner,
                 "v_expires": now + timedelta(seconds=lease_seconds),
-                "v_now": now,
             }
             try:
                 rows = (await conn.execute(statements.claim_statement(), params)).all()

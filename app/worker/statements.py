@@ -30,7 +30,6 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, distinct_on
 
-from app.db import UTCDateTime
 from app.models import JobEventRow, JobRow, JobStatus, ModelRow, WorkerRow
 
 RUNNING = JobStatus.running.value
@@ -182,7 +181,7 @@ def write_in_one(
         job.c.last_event_seq - bindparam("g_events", type_=Integer) + event.c.ord,
         event.c.type,
         event.c.data.cast(JSONB),
-        job.c.updated_at,
+        func.clock_timestamp(),  # see `claim_statement`
     ).select_from(job.join(event, true()))
     statement = select(job.c.last_event_seq).add_cte(
         insert(job_events)
@@ -215,7 +214,10 @@ def claim_statement() -> Any:
         select(first).order_by(first.c.not_before, first.c.id).limit(bindparam("wanted"))
     ).cte("picked")
     owner = bindparam("v_owner", type_=String)
-    now = bindparam("v_now", type_=UTCDateTime)
+    # The database's clock, read while the statement runs (not the worker's, read before
+    # sending it): a claim that saw the model's previous job end is stamped after that
+    # job's last event, so the event log orders them as the database did.
+    now = func.clock_timestamp()
     taken = (
         update(jobs)
         .where(jobs.c.id == picked.c.id, jobs.c.status == QUEUED)
