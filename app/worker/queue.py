@@ -77,7 +77,7 @@ def _write_params(
     values: dict[str, Any],
     events: Sequence[Event],
     expired_before: datetime | None,
-) -> tuple[Any, dict[str, Any]]:
+) -> tuple[tuple[str, ...], dict[str, Any]]:
     keys = tuple(sorted(values))
     params = {f"v_{key}": values[key] for key in keys}
     params |= _lease_params(lease) | {"g_events": len(events), "g_now": utcnow()}

@@ -55,8 +55,9 @@ def guarded(*extra: Any) -> Any:
 @functools.cache
 def job_update(keys: tuple[str, ...], expired_before: bool, unless_cancel: bool) -> Any:
     """Set `v_<key>` on the lease's job and count `g_events` new events, returning the new
-    counter; matches nothing once the lease is lost. `expired_before`: only while the lease
-    is expired; `unless_cancel`: only if no cancel was asked."""
+    counter (and the id, for `write_in_one`); matches nothing once the lease is lost.
+    `expired_before`: only while the lease is expired; `unless_cancel`: only if no cancel
+    was asked."""
     extra = []
     if expired_before:
         extra.append(jobs.c.lease_expires_at < bindparam("g_expired_before"))
@@ -71,7 +72,7 @@ def job_update(keys: tuple[str, ...], expired_before: bool, unless_cancel: bool)
         update(jobs)
         .where(guarded(*extra))
         .values(values)
-        .returning(jobs.c.last_event_seq, jobs.c.id, jobs.c.updated_at)
+        .returning(jobs.c.last_event_seq, jobs.c.id)
     )
 
 
