@@ -3,15 +3,45 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+# openpipe-art 0.5.23 needs Python 3.12: its own venv (ART without torch, and the client)
+# runs the README's ART program in tests/test_art_backend.py beside 0.5.18 in .venv.
+PY312     ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
+ART_STAMP := .venv-art/.installed
+NAT_VENV  ?= .venv-nat
+NAT_STAMP := $(NAT_VENV)/.installed
 
-.PHONY: run test lint typecheck check openapi bench clean
+.PHONY: run test lint typecheck check openapi bench bench-compare clean
 
-$(STAMP): pyproject.toml constraints.txt
+# The server with its dev and cpu extras, and the client distribution (clients/python: SDK
+# and CLI) beside it, editable, so its tests run against this checkout's server.
+$(STAMP): pyproject.toml constraints.txt clients/python/pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit("Trainyard needs Python >= 3.11, found " + sys.version.split()[0]) if sys.version_info < (3, 11) else None'
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev,cpu]"
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev,cpu]" -e "clients/python[cli,art]"
 	@touch $(STAMP)
+
+$(ART_STAMP): clients/python/pyproject.toml constraints-art.txt
+	rm -rf .venv-art
+	$(PY312) -m venv .venv-art
+	.venv-art/bin/python -m pip install --quiet -c constraints-art.txt "openpipe-art==0.5.23" -e "clients/python[art]"
+	@touch $(ART_STAMP)
+
+# NeMo Agent Toolkit 1.9 in an environment of its own (its dependencies and the server's
+# are not one set), with the client's NAT plugin: `tests/test_nat_finetune.py` runs a real
+# `nat finetune` from it. nvidia-nat-profiler is needed although nothing requires it:
+# without it NAT records no LLM call and builds no trajectory. No torch: NAT trains nothing
+# itself here, Trainyard does. The `judge` extra brings openevals, whose string evaluators
+# (NAT's `langsmith` evaluator) score without an LLM judge.
+$(NAT_STAMP): constraints-nat.txt clients/python/pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit("NAT 1.9 needs Python 3.11 to 3.13, found " + sys.version.split()[0]) if not (3, 11) <= sys.version_info[:2] <= (3, 13) else None'
+	$(PYTHON) -m venv $(NAT_VENV)
+	$(NAT_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(NAT_VENV)/bin/python -m pip install --quiet -c constraints-nat.txt \
+		nvidia-nat-core==1.9.0 "nvidia-nat-eval[full]==1.9.0" "nvidia-nat-langchain[openai,judge]==1.9.0" \
+		nvidia-nat-openpipe-art==1.9.0 nvidia-nat-profiler==1.9.0 -e "clients/python[nat]"
+	@$(NAT_VENV)/bin/python -c 'import importlib.util, sys; sys.exit("torch got into $(NAT_VENV)") if importlib.util.find_spec("torch") else None'
+	@touch $(NAT_STAMP)
 
 ## Serve the API and an in-process worker on http://127.0.0.1:8000 (embedded SQLite), with
 ## a tiny model registered as `demo` on the cpu backend (TRAINYARD_DEMO_MODEL=false: none).
@@ -19,8 +49,9 @@ run: $(STAMP)
 	$(BIN)/trainyard migrate
 	TRAINYARD_DEMO_MODEL=$${TRAINYARD_DEMO_MODEL:-true} $(BIN)/trainyard serve
 
-## Run the whole test suite (SQLite; also Postgres when TRAINYARD_TEST_DATABASE_URL is set).
-test: $(STAMP)
+## Run the whole test suite (SQLite; also Postgres when TRAINYARD_TEST_DATABASE_URL is set),
+## with the environments the ART 0.5.23 and `nat finetune` tests run.
+test: $(STAMP) $(ART_STAMP) $(NAT_STAMP)
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 
 lint: $(STAMP)
@@ -39,5 +70,11 @@ openapi: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m bench
 
+## Queue throughput and dispatch latency of the working tree against REV (default HEAD), in
+## interleaved pairs: `make bench-compare REV=HEAD~1 BENCH_COMPARE_ARGS="--pairs 5"`.
+REV ?= HEAD
+bench-compare: $(STAMP)
+	$(BIN)/python -m bench.compare --against $(REV) $(BENCH_COMPARE_ARGS)
+
 clean:
-	rm -rf $(VENV) var .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-art $(NAT_VENV) var .pytest_cache .mypy_cache .ruff_cache

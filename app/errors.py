@@ -62,6 +62,12 @@ class InvalidInputError(ProblemError):
     status, title, slug = 422, "Unprocessable Content", "validation-error"
 
 
+class LimitExceededError(ProblemError):
+    """The request is larger than a limit of the service allows (`errors` names each)."""
+
+    status, title, slug = 413, "Content Too Large", "limit-exceeded"
+
+
 class UnavailableError(ProblemError):
     status, title, slug = 503, "Service Unavailable", "unavailable"
 
@@ -280,43 +286,3 @@ def _reason(status: int) -> str:
         return HTTPStatus(status).phrase
     except ValueError:
         return "Error"
-
-
-class BodyLimit:
-    """413 problem+json for bodies over the limit, before they are parsed whole.
-
-    A declared Content-Length over the limit is refused before a byte is read; a body
-    without one (chunked) is counted as it arrives and refused once it passes the limit.
-    """
-
-    def __init__(self, app: Any, max_body_bytes: int) -> None:
-        self.app = app
-        self.max_body_bytes = max_body_bytes
-
-    def _detail(self, size: int | None = None) -> str:
-        got = f"The body has {size} bytes; " if size is not None else "The body is too large; "
-        return got + f"the limit is {self.max_body_bytes}"
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        for name, value in scope["headers"]:
-            if name == b"content-length" and value.isdigit() and int(value) > self.max_body_bytes:
-                response = problem_response(
-                    413, "Content Too Large", self._detail(int(value)), slug="body-too-large"
-                )
-                await response(scope, receive, send)
-                return
-        received = 0
-
-        async def counted() -> Any:
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_body_bytes:
-                    raise StarletteHTTPException(413, self._detail())
-            return message
-
-        await self.app(scope, counted, send)

@@ -2,27 +2,35 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import Depends, FastAPI
+from fastapi import APIRouter, Depends, FastAPI
+from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
 from pydantic.json_schema import models_json_schema
 
-from app import __version__, errors
-from app.api import health, models, rollout_jobs, training_jobs
+from app import __version__, edge, errors
+from app.api import (
+    checkpoints,
+    docs,
+    gateway,
+    health,
+    models,
+    rollout_jobs,
+    runs,
+    training_jobs,
+    webhooks,
+)
+from app.api.body import BODY_MODELS
 from app.api.deps import require_api_key
-from app.backends import Backends
-from app.db import POOL_SPARE, create_engine, create_sessionmaker
 from app.metrics import Metrics
-from app.migrate import migrate
-from app.notify import Notifier
+from app.process import Process
 from app.schemas.common import FieldError, Problem, problem_responses
-from app.services.demo import ensure_demo_model
 from app.settings import Settings, get_settings
-from app.worker.runner import Worker
 
 log = logging.getLogger(__name__)
 
@@ -48,37 +56,20 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine = create_engine(
-            settings.database_url,
-            sqlite_busy_timeout=settings.sqlite_busy_timeout_seconds,
-            pool_size=settings.worker_concurrency + POOL_SPARE,
+        process = await Process.start(
+            settings, worker=settings.worker_enabled, backend_overrides=backend_overrides
         )
-        app.state.engine = engine
-        app.state.sessions = create_sessionmaker(engine)
-        app.state.notifier = Notifier()
-        app.state.backends = Backends(settings, backend_overrides)
-        app.state.worker = None
-        if settings.migrate_on_start:
-            await migrate(engine)
-        await app.state.notifier.listen(settings.database_url)
-        if settings.demo_model:
-            await ensure_demo_model(app.state.sessions, settings.data_dir)
-        if settings.worker_enabled:
-            app.state.worker = Worker(
-                settings=settings,
-                engine=engine,
-                backends=app.state.backends,
-                notifier=app.state.notifier,
-            )
-            await app.state.worker.start()
+        app.state.process = process
+        app.state.engine = process.engine
+        app.state.sessions = process.sessions
+        app.state.notifier = process.notifier
+        app.state.backends = process.backends
+        app.state.gateway = process.gateway
+        app.state.worker = process.worker
         try:
             yield
         finally:
-            if app.state.worker is not None:
-                await app.state.worker.stop()
-            await app.state.notifier.close()
-            await app.state.backends.close()
-            await engine.dispose()
+            await process.close()
 
     app = FastAPI(
         title="Trainyard",
@@ -86,18 +77,44 @@ def create_app(
         description=DESCRIPTION,
         lifespan=lifespan,
         generate_unique_id_function=_operation_id,
+        # Served by `docs.router`, with their assets: never from a CDN.
+        docs_url=None,
+        redoc_url=None,
+        # A path with a stray slash is a 404, not a redirect whose Location would be built
+        # from the request's Host header (before any key was checked).
+        redirect_slashes=False,
     )
     app.state.settings = settings
     app.state.metrics = Metrics()
     errors.install(app)
-    app.add_middleware(errors.BodyLimit, max_body_bytes=settings.max_body_bytes)
+    # Added innermost first. A request passes the metrics, then the API key (checked from
+    # the headers alone), then the body (read whole within its size limit and deadline),
+    # then HEAD as GET, then the routes.
+    app.add_middleware(edge.HeadAsGet)
+    app.add_middleware(
+        edge.RequestBody,
+        max_body_bytes=settings.max_body_bytes,
+        timeout_seconds=settings.body_timeout_seconds,
+    )
+    open_paths = {route.path for route in health.router.routes if hasattr(route, "path")}
+    app.add_middleware(
+        edge.ApiKeys,
+        keys=settings.api_keys,
+        open_paths={*open_paths, *docs.PATHS, app.openapi_url or "/openapi.json"},
+    )
     app.middleware("http")(app.state.metrics.middleware)
     app.include_router(health.router)
+    app.include_router(docs.router(app))
     protected = [Depends(require_api_key)]
     app.include_router(models.router, dependencies=protected)
     app.include_router(models.backends_router, dependencies=protected)
+    app.include_router(checkpoints.router, dependencies=protected)
     app.include_router(training_jobs.router, dependencies=protected)
     app.include_router(rollout_jobs.router, dependencies=protected)
+    app.include_router(runs.router, dependencies=protected)
+    app.include_router(runs.datasets_router, dependencies=protected)
+    app.include_router(webhooks.router, dependencies=protected)
+    app.include_router(gateway.router, dependencies=protected)
     _document_problems(app)
     return app
 
@@ -113,6 +130,7 @@ def _document_problems(app: FastAPI) -> None:
         if app.openapi_schema is None:
             schema = build()
             components = schema.setdefault("components", {}).setdefault("schemas", {})
+            _document_bodies(schema, components)
             _, defs = models_json_schema(
                 [(FieldError, "validation"), (Problem, "validation")],
                 ref_template="#/components/schemas/{model}",
@@ -139,3 +157,32 @@ def _document_problems(app: FastAPI) -> None:
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _document_bodies(schema: dict[str, Any], components: dict[str, Any]) -> None:
+    """The schemas of the request bodies that routes read themselves (`app.api.body`),
+    written by FastAPI as it writes those of the bodies it reads, in order among them; and
+    each body where FastAPI puts one: before the responses."""
+    stand_ins = APIRouter()
+    for model in BODY_MODELS:
+
+        async def endpoint() -> None: ...
+
+        body = inspect.Parameter("body", inspect.Parameter.KEYWORD_ONLY, annotation=model)
+        endpoint.__signature__ = inspect.Signature([body])  # type: ignore[attr-defined]
+        stand_ins.add_api_route(f"/{model.__name__}", endpoint, methods=["POST"])
+    written = get_openapi(title="", version="", routes=stand_ins.routes)
+    merged = {**components, **written.get("components", {}).get("schemas", {})}
+    for name in ("HTTPValidationError", "ValidationError"):
+        merged.pop(name, None)
+    components.clear()
+    components.update(sorted(merged.items()))
+    for path in schema.get("paths", {}).values():
+        for method, operation in path.items():
+            if "requestBody" in operation and "responses" in operation:
+                items = [(k, v) for k, v in operation.items() if k != "requestBody"]
+                items.insert(
+                    [k for k, _ in items].index("responses"),
+                    ("requestBody", operation["requestBody"]),
+                )
+                path[method] = dict(items)

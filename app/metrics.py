@@ -1,4 +1,5 @@
-"""Prometheus metrics: HTTP traffic (middleware) and job counts (read at scrape time)."""
+"""Prometheus metrics: HTTP traffic (middleware), job and webhook delivery counts (read at
+scrape time)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from app.db import utcnow
-from app.models import JobRow, JobStatus
+from app.jobs.lifecycle import JobStatus
+from app.models import JobRow, WebhookDeliveryRow
+
+DELIVERY_STATUSES = ("pending", "succeeded", "failed")
 
 
 class Metrics:
@@ -41,6 +45,12 @@ class Metrics:
         )
         self.jobs = Gauge(
             "trainyard_jobs", "Jobs by status", ["kind", "status"], registry=self.registry
+        )
+        self.webhook_deliveries = Gauge(
+            "trainyard_webhook_deliveries",
+            "Webhook deliveries by status (pending: not yet delivered, retries left)",
+            ["status"],
+            registry=self.registry,
         )
         self.queue_depth = Gauge(
             "trainyard_queue_depth",
@@ -76,6 +86,12 @@ class Metrics:
                     JobRow.status == JobStatus.queued.value, JobRow.not_before <= utcnow()
                 )
             )
+            by_status = select(WebhookDeliveryRow.status, func.count()).group_by(
+                WebhookDeliveryRow.status
+            )
+            deliveries = {status: n for status, n in (await session.execute(by_status)).all()}
+        for delivery_status in DELIVERY_STATUSES:
+            self.webhook_deliveries.labels(delivery_status).set(deliveries.get(delivery_status, 0))
         seen = {(kind, status): n for kind, status, n in counts}
         for kind in {k for k, _ in seen} | {"training"}:
             for status in JobStatus:

@@ -3,21 +3,33 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import weakref
 from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import text
+from sqlalchemy import inspect, text
 from sqlalchemy.engine import Connection
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.db import WRITE
 
-# Shipped inside the package, so an installed wheel can migrate without the source tree.
-SCRIPT_LOCATION = Path(__file__).resolve().parent / "migrations"
+
+def _script_location() -> Path:
+    """The Alembic tree: `app/migrations/` in an installed wheel (which ships it inside the
+    package, so `trainyard migrate` needs no source tree), else the checkout's top-level
+    `migrations/` next to `app/`."""
+    package = Path(__file__).resolve().parent
+    for tree in (package / "migrations", package.parent / "migrations"):
+        if (tree / "env.py").is_file():
+            return tree
+    raise RuntimeError(f"no migrations found in {package} or next to it")
+
+
+SCRIPT_LOCATION = _script_location()
 # Any constant works; it only has to be the same for every replica of the service.
 ADVISORY_LOCK_KEY = 0x7472_6169_6E79  # "trainy"
 
@@ -28,7 +40,9 @@ def alembic_config() -> Config:
     return config
 
 
+@functools.cache
 def head_revision() -> str | None:
+    """The revision this code expects; read from the scripts once per process."""
     return ScriptDirectory.from_config(alembic_config()).get_current_head()
 
 
@@ -74,8 +88,19 @@ async def _migrate(engine: AsyncEngine, revision: str, downgrade: bool) -> None:
                 await conn.commit()
 
 
-async def current_revision(conn: AsyncConnection) -> str | None:
-    def _current(sync_conn: Connection) -> str | None:
-        return MigrationContext.configure(sync_conn).get_current_revision()
+_VERSION = text("SELECT version_num FROM alembic_version")
 
-    return await conn.run_sync(_current)
+
+async def current_revision(conn: AsyncConnection) -> str | None:
+    """The schema's revision (None: never migrated, or downgraded to base), in one query;
+    what readiness asks on every probe, so it builds no Alembic context (and logs nothing)."""
+    try:
+        versions = list((await conn.execute(_VERSION)).scalars())
+    except DBAPIError:
+        await conn.rollback()
+        if await conn.run_sync(lambda sync: inspect(sync).has_table("alembic_version")):
+            raise
+        return None
+    if len(versions) > 1:
+        raise RuntimeError(f"the schema has several heads: {', '.join(sorted(versions))}")
+    return versions[0] if versions else None

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import enum
 from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
     Boolean,
+    CheckConstraint,
     ForeignKey,
     Index,
     Integer,
@@ -21,26 +21,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import Mapped, mapped_column
 
 from app.db import Base, JSONType, UTCDateTime, utcnow
-
-
-class JobStatus(enum.StrEnum):
-    queued = "queued"
-    running = "running"
-    succeeded = "succeeded"
-    failed = "failed"
-    cancelled = "cancelled"
-
-    @property
-    def is_final(self) -> bool:
-        return self in FINAL_STATUSES
-
-
-FINAL_STATUSES = frozenset({JobStatus.succeeded, JobStatus.failed, JobStatus.cancelled})
-
-
-class JobKind(enum.StrEnum):
-    training = "training"
-    rollout = "rollout"
+from app.jobs.lifecycle import JobKind, JobStatus
 
 
 class ModelRow(Base):
@@ -63,6 +44,39 @@ class ModelRow(Base):
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
 
 
+class ModelAliasRow(Base):
+    """A user-defined name for one of a model's checkpoints (`name@alias` at the gateway).
+    The built-in aliases (`latest`, `best`) are computed, never stored (migration 0006)."""
+
+    __tablename__ = "model_aliases"
+    __table_args__ = (CheckConstraint("step >= 0", name="step_not_negative"),)
+
+    model_name: Mapped[str] = mapped_column(
+        ForeignKey("models.name", ondelete="CASCADE"), primary_key=True
+    )
+    alias: Mapped[str] = mapped_column(String(64), primary_key=True)
+    step: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
+
+
+class RetentionPolicyRow(Base):
+    """Which of a model's checkpoints to keep: the newest `keep_last`, and the best by a
+    training metric (migration 0006). Without a row every checkpoint is kept."""
+
+    __tablename__ = "retention_policies"
+    __table_args__ = (CheckConstraint("keep_last >= 1", name="keep_last_positive"),)
+
+    model_name: Mapped[str] = mapped_column(
+        ForeignKey("models.name", ondelete="CASCADE"), primary_key=True
+    )
+    keep_last: Mapped[int] = mapped_column(Integer)
+    keep_best_by: Mapped[str | None] = mapped_column(String(256))
+    higher_is_better: Mapped[bool] = mapped_column(Boolean, default=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
+
+
 class JobRow(Base):
     """A unit of work for the workers, with its lease and its outcome."""
 
@@ -70,14 +84,28 @@ class JobRow(Base):
     __table_args__ = (
         # ART trains one step at a time per model: the database itself refuses a second
         # running job for a model, whatever the workers do.
+        # A run (kind `run`) holds no slot: its children do (migration 0007).
         Index(
             "uq_jobs_running_model",
             "model_name",
             unique=True,
-            sqlite_where=text("status = 'running'"),
-            postgresql_where=text("status = 'running'"),
+            sqlite_where=text("status = 'running' AND kind <> 'run'"),
+            postgresql_where=text("status = 'running' AND kind <> 'run'"),
         ),
-        Index("ix_jobs_claim", "status", "not_before", "created_at"),
+        # The runs a driver advances (migration 0007).
+        Index(
+            "ix_jobs_active_runs",
+            "id",
+            sqlite_where=text("kind = 'run' AND status IN ('queued', 'running')"),
+            postgresql_where=text("kind = 'run' AND status IN ('queued', 'running')"),
+        ),
+        # Claims scan queued jobs in submission order (migration 0004).
+        Index(
+            "ix_jobs_queued",
+            "id",
+            sqlite_where=text("status = 'queued'"),
+            postgresql_where=text("status = 'queued'"),
+        ),
         Index("ix_jobs_model_created", "model_name", "created_at"),
     )
 
@@ -106,6 +134,11 @@ class JobRow(Base):
     not_before: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
 
+    # Policy versions (migration 0005): the step the trajectories were sampled from, and
+    # how far the model may have moved past it when the job is claimed (None: any).
+    policy_step: Mapped[int | None] = mapped_column(Integer)
+    max_steps_off_policy: Mapped[int | None] = mapped_column(Integer)
+
     # Progress and outcome.
     start_step: Mapped[int | None] = mapped_column(Integer)
     progress_step: Mapped[int] = mapped_column(Integer, default=0)
@@ -115,6 +148,8 @@ class JobRow(Base):
     metrics: Mapped[dict[str, Any] | None] = mapped_column(JSONType)
     error: Mapped[dict[str, Any] | None] = mapped_column(JSONType)
     recovered: Mapped[bool] = mapped_column(Boolean, default=False)
+    # Whether the step changed the weights (False: no group was trainable).
+    trained: Mapped[bool | None] = mapped_column(Boolean)
     # What a rollout job built (zstd JSON of ART-style groups), and the training job it
     # enqueued with them, if asked to.
     output: Mapped[bytes | None] = mapped_column(LargeBinary, deferred=True)
@@ -126,6 +161,51 @@ class JobRow(Base):
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+class RunRow(Base):
+    """A training run's schedule state, beside its `jobs` row (kind `run`): which step,
+    epoch and phase it is in, its best validation, what it is waiting for. `version`
+    guards every write: two drivers of one run never both advance it (migration 0007)."""
+
+    __tablename__ = "runs"
+
+    id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    version: Mapped[int] = mapped_column(Integer, default=0)
+    paused: Mapped[bool] = mapped_column(Boolean, default=False)
+    state: Mapped[dict[str, Any]] = mapped_column(JSONType, default=dict)
+    # The child job the state waits on (None: none): what a driver's sweep joins on to find
+    # the runs with something to do.
+    waiting_on: Mapped[str | None] = mapped_column(String(40))
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
+
+
+class RunMetricRow(Base):
+    """One row per training step and per validation of a run: what its curves plot."""
+
+    __tablename__ = "run_metrics"
+
+    run_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True)
+    kind: Mapped[str] = mapped_column(String(16))  # "step" | "validation"
+    step: Mapped[int] = mapped_column(Integer)
+    data: Mapped[dict[str, Any]] = mapped_column(JSONType, default=dict)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class DatasetRow(Base):
+    """Examples uploaded once (JSONL), kept in named splits, zstd-compressed JSON."""
+
+    __tablename__ = "datasets"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    name: Mapped[str] = mapped_column(String(128))
+    sha256: Mapped[str] = mapped_column(String(64))
+    num_examples: Mapped[int] = mapped_column(Integer)
+    splits: Mapped[dict[str, Any]] = mapped_column(JSONType, default=dict)
+    payload: Mapped[bytes] = mapped_column(LargeBinary, deferred=True)
+    payload_bytes: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
 class JobEventRow(Base):
@@ -153,3 +233,83 @@ class WorkerRow(Base):
     started_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     heartbeat_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     stopped_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+class WebhookEndpointRow(Base):
+    """A URL that receives signed deliveries of the event types it subscribes to
+    (migration 0008). `secret` (`whsec_...`) signs them; the API shows it once."""
+
+    __tablename__ = "webhook_endpoints"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    url: Mapped[str] = mapped_column(String(2048))
+    description: Mapped[str] = mapped_column(String(512), default="")
+    secret: Mapped[str] = mapped_column(String(128))
+    event_types: Mapped[list[str]] = mapped_column(JSONType, default=list)
+    enabled: Mapped[bool] = mapped_column(Boolean, default=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
+
+
+class WebhookSubscriptionRow(Base):
+    """One event type an endpoint receives: what the outbox joins on, in the writing
+    transaction, to know who gets a state change (the key leads with the type)."""
+
+    __tablename__ = "webhook_subscriptions"
+
+    event_type: Mapped[str] = mapped_column(String(32), primary_key=True)
+    endpoint_id: Mapped[str] = mapped_column(
+        ForeignKey("webhook_endpoints.id", ondelete="CASCADE"), primary_key=True
+    )
+
+
+class WebhookDeliveryRow(Base):
+    """The outbox: one message to one endpoint, written in the transaction of the state
+    change it reports; sent by workers, which claim it with a lease (`lease_token`, and
+    `next_attempt_at` moved past the lease), until it succeeds or its retries run out."""
+
+    __tablename__ = "webhook_deliveries"
+    __table_args__ = (
+        # One delivery per state change and endpoint, whatever writes it.
+        UniqueConstraint("endpoint_id", "message_id"),
+        # The senders' claim scans the pending deliveries by due time.
+        Index(
+            "ix_webhook_deliveries_due",
+            "next_attempt_at",
+            sqlite_where=text("status = 'pending'"),
+            postgresql_where=text("status = 'pending'"),
+        ),
+        Index("ix_webhook_deliveries_endpoint", "endpoint_id", "id"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    endpoint_id: Mapped[str] = mapped_column(ForeignKey("webhook_endpoints.id", ondelete="CASCADE"))
+    # The `webhook-id` header: the same on every attempt (`msg_<job id>_<event seq>`).
+    message_id: Mapped[str] = mapped_column(String(96))
+    event_type: Mapped[str] = mapped_column(String(32))
+    # The job event it reports (None: a test message); the body is built from it.
+    job_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    event_seq: Mapped[int | None] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(16), default="pending")
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    next_attempt_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    lease_token: Mapped[str | None] = mapped_column(String(64))
+    last_status_code: Mapped[int | None] = mapped_column(Integer)
+    last_error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+class WebhookAttemptRow(Base):
+    """One attempt to send a delivery: its answer's status, or the error, and how long."""
+
+    __tablename__ = "webhook_attempts"
+
+    delivery_id: Mapped[int] = mapped_column(
+        ForeignKey("webhook_deliveries.id", ondelete="CASCADE"), primary_key=True
+    )
+    attempt: Mapped[int] = mapped_column(Integer, primary_key=True)
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    duration_ms: Mapped[int] = mapped_column(Integer)
+    status_code: Mapped[int | None] = mapped_column(Integer)
+    error: Mapped[str | None] = mapped_column(Text)

@@ -15,7 +15,6 @@ from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
 
-import asyncpg
 from sqlalchemy.engine import make_url
 
 log = logging.getLogger(__name__)
@@ -27,6 +26,8 @@ EVENTS_CHANNEL = "trainyard_events"
 class Notifier:
     def __init__(self) -> None:
         self._jobs = asyncio.Event()
+        # Webhook deliveries may be due (this process's sender waits on it).
+        self.webhooks = asyncio.Event()
         self.models_version = 0
         self._event_waiters: defaultdict[str, set[asyncio.Event]] = defaultdict(set)
         self._conn: Any = None
@@ -37,6 +38,10 @@ class Notifier:
 
     def jobs_changed(self) -> None:
         self._jobs.set()
+
+    def webhooks_due(self) -> None:
+        """A state change or a test message may have queued webhook deliveries."""
+        self.webhooks.set()
 
     def models_changed(self) -> None:
         """A model was registered: workers in this process start serving it."""
@@ -84,6 +89,8 @@ class Notifier:
             self._reconnect_later()
 
     async def _connect(self) -> bool:
+        import asyncpg  # Postgres only: a SQLite process never loads the driver
+
         try:
             conn = await asyncpg.connect(self._dsn)
             for channel in self._channels:

@@ -9,6 +9,8 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from app.egress import Rule
+
 DEFAULT_DATA_DIR = Path("var")
 
 
@@ -24,12 +26,72 @@ class Settings(BaseSettings):
     api_keys: Annotated[list[SecretStr], NoDecode] = Field(
         default_factory=list,
         description="Comma-separated bearer API keys. Empty: no authentication. Health and "
-        "metrics endpoints stay open either way.",
+        "metrics endpoints and the API docs stay open either way. A value with no key in it "
+        "(`,`, blanks) is refused at start.",
     )
     max_body_bytes: int = Field(
         default=64 * 1024 * 1024,
         ge=1024,
         description="Largest request body accepted; larger bodies get 413 before parsing.",
+    )
+    max_json_depth: int = Field(
+        default=64,
+        ge=8,
+        le=128,
+        description='How deep arrays and objects may nest in a request body (`{"a": [1]}` '
+        "is 2 deep); deeper gets 422. At most 128, so that every stored spec reads back.",
+    )
+    max_groups_per_job: int = Field(
+        default=10_000,
+        ge=1,
+        description="Groups one training job may hold (NAT: the collection's groups); more "
+        "gets 413.",
+    )
+    max_trajectories_per_group: int = Field(
+        default=1_000, ge=1, description="Trajectories one group may hold; more gets 413."
+    )
+    max_items_per_trajectory: int = Field(
+        default=10_000,
+        ge=1,
+        description="Items (messages, choices, NAT episode items) and tools one trajectory "
+        "may hold, and messages one rollout example may hold; more gets 413.",
+    )
+    max_logprob_tokens_per_job: int = Field(
+        default=1_000_000,
+        ge=1,
+        description="Logprob entries one training job may hold, over all its turns: tokens "
+        "(`content`, `refusal`) and their `top_logprobs`; more gets 413.",
+    )
+    body_timeout_seconds: float = Field(
+        default=60.0,
+        gt=0,
+        le=3600,
+        description="How long a client has to send a request's whole body; a slower one gets "
+        "408 and the connection is closed.",
+    )
+    header_timeout_seconds: float = Field(
+        default=10.0,
+        gt=0,
+        le=600,
+        description="How long a client has to send a request's line and headers once it "
+        "connected or started the request (`trainyard serve`); a slower one gets 408.",
+    )
+    max_header_bytes: int = Field(
+        default=32 * 1024,
+        ge=1024,
+        le=1024 * 1024,
+        description="Largest request line plus headers (`trainyard serve`); larger gets 431.",
+    )
+    keep_alive_seconds: int = Field(
+        default=5,
+        ge=1,
+        le=600,
+        description="How long `trainyard serve` keeps an idle keep-alive connection open.",
+    )
+    model_roots: Annotated[list[Path], NoDecode] = Field(
+        default_factory=list,
+        description="Comma-separated directories, besides <data_dir>, that cpu models may "
+        "load their `base_model` from. Any other path is refused at registration.",
     )
     worker_enabled: bool = Field(
         default=True,
@@ -84,8 +146,56 @@ class Settings(BaseSettings):
     cpu_inference_port: int = Field(
         default=0, ge=0, le=65535, description="Its port; 0 picks a free one at start."
     )
+    public_url: str = Field(
+        default="",
+        description="The URL clients reach this API at, e.g. `https://trainyard.example`: "
+        "models show their gateway URL under it. Empty: the URL of each request.",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         default="info", description="Log level of the service."
+    )
+    egress_allow: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Comma-separated destinations agent services and webhook graders may "
+        "reach: addresses, networks (CIDR), host names, `*.domain`, `loopback`, `private`. "
+        "Empty: any destination not denied. When set, nothing else is reached; a network "
+        "listed here also lifts the default refusal of special-use addresses in it.",
+    )
+    egress_deny: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Comma-separated destinations agent services and webhook graders must "
+        "never reach, in the same forms (e.g. `loopback,private`); wins over "
+        "`TRAINYARD_EGRESS_ALLOW`. Special-use addresses (link-local and the cloud metadata "
+        "address, unspecified, multicast, broadcast, reserved, documentation, ...) are "
+        "refused by default too, unless `TRAINYARD_EGRESS_ALLOW` lists their network.",
+    )
+    agent_max_response_bytes: int = Field(
+        default=16 * 1024 * 1024,
+        ge=1024,
+        description="Largest answer of an agent service, once decoded; a larger one is "
+        "recorded as that answer's error.",
+    )
+    webhook_retry_schedule: Annotated[list[float], NoDecode] = Field(
+        default_factory=lambda: [5.0, 300.0, 1800.0, 7200.0, 18000.0, 36000.0],
+        min_length=1,
+        description="Comma-separated seconds a webhook delivery waits before each retry after "
+        "a failed attempt (default 5 s, 5 min, 30 min, 2 h, 5 h, 10 h: about 17 h in all); "
+        "when they are spent it is marked failed.",
+    )
+    webhook_timeout_seconds: float = Field(
+        default=10.0,
+        gt=0,
+        le=300,
+        description="How long one webhook attempt may take in all, from connecting to the "
+        "answer's last byte; a slower receiver counts as a failed attempt.",
+    )
+    webhook_concurrency: int = Field(
+        default=8, ge=1, le=256, description="Webhook deliveries one worker sends at once."
+    )
+    webhook_poll_seconds: float = Field(
+        default=1.0,
+        gt=0,
+        description="How often a worker looks for webhook deliveries that are due.",
     )
     host: str = Field(default="127.0.0.1", description="Address `trainyard serve` binds.")
     port: int = Field(default=8000, ge=0, le=65535, description="Port `trainyard serve` binds.")
@@ -94,7 +204,41 @@ class Settings(BaseSettings):
     @classmethod
     def _split_keys(cls, value: object) -> object:
         if isinstance(value, str):
-            return [key.strip() for key in value.split(",") if key.strip()]
+            keys = [key.strip() for key in value.split(",") if key.strip()]
+            if value and not keys:
+                # `,` or blanks: someone meant to set keys and set none. Running without
+                # authentication is what an empty value asks for, never what a typo gets.
+                raise ValueError(
+                    "no key in it, only commas or blanks: set "
+                    "comma-separated keys, or leave it empty to run without authentication"
+                )
+            return keys
+        return value
+
+    @field_validator(
+        "model_roots", "egress_allow", "egress_deny", "webhook_retry_schedule", mode="before"
+    )
+    @classmethod
+    def _split_lists(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [entry.strip() for entry in value.split(",") if entry.strip()]
+        return value
+
+    def allowed_model_roots(self) -> list[Path]:
+        """Where cpu models may load from: the data directory and `model_roots`, absolute."""
+        return [Path(root).absolute() for root in (self.data_dir, *self.model_roots)]
+
+    @field_validator("egress_allow", "egress_deny")
+    @classmethod
+    def _destinations(cls, value: list[str]) -> list[str]:
+        Rule.parse(value)  # the policy's own parser says what an entry may be
+        return value
+
+    @field_validator("webhook_retry_schedule")
+    @classmethod
+    def _delays(cls, value: list[float]) -> list[float]:
+        if any(not 0 <= delay <= 7 * 24 * 3600 for delay in value):
+            raise ValueError("each delay is between 0 and 604800 seconds (a week)")
         return value
 
     @model_validator(mode="after")

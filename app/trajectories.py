@@ -1,4 +1,5 @@
-"""Semantic checks on submitted trajectories, and their conversion to real ART objects.
+"""Semantic checks on submitted trajectories; NAT <-> ART conversion, both directions; and
+the conversion to real ART objects.
 
 Pure functions: no database, no HTTP. The checks report every problem they find (up to
 `MAX_ISSUES`) with a location relative to the submitted collection or groups list, so the API
@@ -13,20 +14,21 @@ Rules that come from ART 0.5.18 itself (`art.preprocessing.tokenize`):
   groups are built from a list of `art.Trajectory` objects.
 
 `art` is imported lazily by the conversions: the checks do not need it, and it is slow to import.
+So is `openai` (about a second: its package imports every type it has), whose `Choice` and
+tool types the checks validate against: on first use, so that a process starts without it.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cache
 from itertools import islice
 from typing import TYPE_CHECKING, Any
 
-from openai.types.chat.chat_completion import Choice
-from openai.types.chat.chat_completion_tool_param import ChatCompletionToolParam
-from pydantic import TypeAdapter, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from app.schemas.trajectories import (
     ArtTrajectory,
@@ -40,6 +42,8 @@ from app.schemas.trajectories import (
 
 if TYPE_CHECKING:
     import art
+    from openai.types.chat.chat_completion import Choice
+    from openai.types.chat.chat_completion_tool_param import ChatCompletionToolParam
 
 MAX_ISSUES = 100
 MESSAGE_ROLES = frozenset({"system", "user", "assistant", "tool", "function", "developer"})
@@ -47,9 +51,20 @@ MESSAGE_ROLES = frozenset({"system", "user", "assistant", "tool", "function", "d
 Loc = tuple[str | int, ...]
 _Problem = tuple[Loc, str, str]  # (loc relative to the item, message, type)
 
-_tools_adapter: TypeAdapter[list[ChatCompletionToolParam]] = TypeAdapter(
-    list[ChatCompletionToolParam]
-)
+
+@cache
+def _choice() -> type[Choice]:
+    from openai.types.chat.chat_completion import Choice
+
+    return Choice
+
+
+@cache
+def _tools_adapter() -> TypeAdapter[list[ChatCompletionToolParam]]:
+    from openai.types.chat.chat_completion_tool_param import ChatCompletionToolParam
+
+    return TypeAdapter(list[ChatCompletionToolParam])
+
 
 # ART 0.5.18 re-encodes logprob-less assistant turns from their text and raises on tool calls.
 _TOOL_CALLS_NEED_LOGPROBS: _Problem = (
@@ -157,7 +172,7 @@ def _nat_assistant_problem(item: EpisodeItem, require_logprobs: bool) -> _Proble
     if problem is not None:
         return problem
     try:
-        Choice.model_validate(_nat_choice_dict(item, logprobs=None))
+        _choice().model_validate(_nat_choice_dict(item, logprobs=None))
     except ValidationError as exc:
         loc, msg = _first_error(exc)
         if loc[:1] == ("finish_reason",):
@@ -218,7 +233,7 @@ def _art_trajectory_problems(
         )
     if trajectory.tools is not None:
         try:
-            _tools_adapter.validate_python(trajectory.tools)
+            _tools_adapter().validate_python(trajectory.tools)
         except ValidationError as exc:
             loc, msg = _first_error(exc)
             yield ("tools", *_within(trajectory.tools, loc)), msg, "invalid_tools"
@@ -238,7 +253,7 @@ def _art_choice_problem(item: dict[str, Any], require_logprobs: bool) -> _Proble
             return problem
     try:
         # Logprobs were checked above; validating them again with pydantic is ~10x slower.
-        Choice.model_validate({**item, "logprobs": None})
+        _choice().model_validate({**item, "logprobs": None})
     except ValidationError as exc:
         loc, msg = _first_error(exc)
         return _within(item, loc), msg, "invalid_choice"
@@ -295,6 +310,8 @@ def _token_logprob_problem(entry: Any, *, nested: bool) -> tuple[Loc, str] | Non
     logprob = entry.get("logprob")
     if isinstance(logprob, bool) or not isinstance(logprob, int | float) or not _finite(logprob):
         return ("logprob",), f"logprob must be a finite number, got {logprob!r}"
+    if logprob > 0:
+        return ("logprob",), f"logprob must be at most 0 (a log probability), got {logprob!r}"
     raw = entry.get("bytes")
     if raw is not None and not (isinstance(raw, list) and all(type(b) is int for b in raw)):
         return ("bytes",), "bytes must be a list of integers or null"
@@ -360,8 +377,9 @@ def _is_choice(item: Any) -> bool:
 # --------------------------------------------------------------------------------------------
 
 
-def collection_to_art(collection: TrajectoryCollection) -> list[art.TrajectoryGroup]:
-    """Convert a checked NAT collection into ART groups, one per NAT group.
+def collection_to_groups(collection: TrajectoryCollection) -> list[dict[str, Any]]:
+    """Convert a checked NAT collection into ART-style groups (the JSON `groups` of a
+    training job, what a training spec stores), one per NAT group.
 
     Episode items map as follows:
 
@@ -383,25 +401,31 @@ def collection_to_art(collection: TrajectoryCollection) -> list[art.TrajectoryGr
     trajectory). Trajectory metadata is kept, with non-scalar values encoded as JSON text,
     because ART 0.5.18 accepts scalars only.
     """
-    import art
-
     return [
-        art.TrajectoryGroup(
-            [
-                art.Trajectory(
-                    messages_and_choices=[_nat_item_to_art(item) for item in trajectory.episode],
-                    reward=trajectory.reward,
-                    metadata=_scalar_metadata(trajectory.metadata or {}),
-                )
+        {
+            "trajectories": [
+                {
+                    "messages_and_choices": [_nat_item_to_art(i) for i in trajectory.episode],
+                    "reward": trajectory.reward,
+                    "metadata": _scalar_metadata(trajectory.metadata or {}),
+                }
                 for trajectory in group
             ]
-        )
+        }
         for group in collection.trajectories
     ]
 
 
-def groups_to_art(groups: Sequence[ArtTrajectoryGroup]) -> list[art.TrajectoryGroup]:
-    """Convert checked ART-style groups into `art.TrajectoryGroup`s.
+def collection_to_art(collection: TrajectoryCollection) -> list[art.TrajectoryGroup]:
+    """A checked NAT collection as `art.TrajectoryGroup`s (see `collection_to_groups`)."""
+    return groups_to_art(collection_to_groups(collection))
+
+
+def groups_to_art(
+    groups: Sequence[ArtTrajectoryGroup | Mapping[str, Any]],
+) -> list[art.TrajectoryGroup]:
+    """Convert checked ART-style groups (wire models, or their JSON) into
+    `art.TrajectoryGroup`s.
 
     Items that look like a Choice (a dict with `finish_reason` and `message`) are revived as
     `Choice` objects, keeping their logprob tokens and any extra fields (`token_ids`, ...);
@@ -409,37 +433,99 @@ def groups_to_art(groups: Sequence[ArtTrajectoryGroup]) -> list[art.TrajectoryGr
     """
     import art
 
+    documents = [g.model_dump(mode="json") if isinstance(g, BaseModel) else g for g in groups]
     return [
         art.TrajectoryGroup(
             [
                 art.Trajectory(
                     messages_and_choices=[
-                        _art_item(item) for item in trajectory.messages_and_choices
+                        _art_item(item) for item in trajectory["messages_and_choices"]
                     ],
-                    tools=trajectory.tools,
-                    reward=trajectory.reward,
-                    metrics=dict(trajectory.metrics),
-                    metadata=dict(trajectory.metadata),
-                    logs=list(trajectory.logs),
+                    tools=trajectory.get("tools"),
+                    reward=trajectory["reward"],
+                    metrics=dict(trajectory.get("metrics", {})),
+                    metadata=dict(trajectory.get("metadata", {})),
+                    logs=list(trajectory.get("logs", [])),
                 )
-                for trajectory in group.trajectories
+                for trajectory in group["trajectories"]
             ],
-            metadata=dict(group.metadata),
-            metrics=dict(group.metrics),
-            logs=list(group.logs),
+            metadata=dict(group.get("metadata", {})),
+            metrics=dict(group.get("metrics", {})),
+            logs=list(group.get("logs", [])),
         )
-        for group in groups
+        for group in documents
     ]
 
 
-def _nat_item_to_art(item: EpisodeItem) -> dict[str, Any] | Choice:
+def groups_to_collection(groups: Sequence[ArtTrajectoryGroup], run_id: str) -> TrajectoryCollection:
+    """ART-style groups as NeMo Agent Toolkit's `TrajectoryCollection`: each `Choice` an
+    assistant turn with its logprobs (its finish reason and tool calls in the metadata,
+    where NAT keeps them); other messages keep their text, and content that is not plain
+    text (OpenAI content parts) stays whole in the item's metadata."""
+    return TrajectoryCollection.model_validate(
+        {
+            "trajectories": [
+                [
+                    {
+                        "episode": [_art_item_to_nat(item) for item in t.messages_and_choices],
+                        "reward": t.reward,
+                        "shaped_rewards": None,
+                        "metadata": dict(t.metadata),
+                    }
+                    for t in group.trajectories
+                ]
+                for group in groups
+            ],
+            "run_id": run_id,
+        }
+    )
+
+
+def _art_item_to_nat(item: dict[str, Any]) -> dict[str, Any]:
+    if _is_choice(item):
+        message = item["message"]
+        metadata = {"finish_reason": item["finish_reason"]}
+        if message.get("tool_calls"):
+            metadata["tool_calls"] = message["tool_calls"]
+        return {
+            "role": "assistant",
+            "content": _text(message.get("content")),
+            "logprobs": item.get("logprobs"),
+            "metadata": metadata,
+        }
+    extra = {
+        k: v
+        for k, v in item.items()
+        if k != "role" and (k != "content" or not isinstance(v, str | None))
+    }
+    return {
+        "role": {"developer": "system"}.get(item["role"], item["role"]),
+        "content": _text(item.get("content")),
+        "logprobs": None,
+        "metadata": extra or None,
+    }
+
+
+def _text(content: Any) -> str:
+    """An OpenAI message's content as NAT's text: a string as it is; of a list of content
+    parts, the text parts, one per line; anything else as JSON."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        return "\n".join(
+            part["text"]
+            for part in content
+            if isinstance(part, dict) and isinstance(part.get("text"), str)
+        )
+    return json.dumps(content)
+
+
+def _nat_item_to_art(item: EpisodeItem) -> dict[str, Any]:
     meta = item.metadata or {}
     role = item.role
     if role is EpisodeItemRole.ASSISTANT:
         if item.logprobs is not None:
-            return Choice.model_validate(
-                _nat_choice_dict(item, logprobs=_complete_logprobs(item.logprobs))
-            )
+            return _nat_choice_dict(item, logprobs=item.logprobs)
         message: dict[str, Any] = {"role": "assistant", "content": item.content}
         tool_calls = _openai_tool_calls(meta.get("tool_calls"))
         if tool_calls:
@@ -494,7 +580,7 @@ def _art_item(item: dict[str, Any]) -> dict[str, Any] | Choice:
     logprobs = item.get("logprobs")
     if logprobs is not None:
         item = {**item, "logprobs": _complete_logprobs(logprobs)}
-    return Choice.model_validate(item)
+    return _choice().model_validate(item)
 
 
 def _complete_logprobs(logprobs: Any) -> Any:

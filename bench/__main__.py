@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import asyncio
 
-from bench import cpu_step, fanout, ingest, queue
+from bench import api_start, cpu_step, fanout, ingest, queue, runs
 
 
 def main() -> None:
     print("Trainyard benchmarks (ratios are against baselines measured in this same run)")
+    api_start.run()
     ingest.run()
     asyncio.run(queue.main())
     asyncio.run(cpu_step.run())
     asyncio.run(fanout.run())
+    asyncio.run(runs.run())
 
 
 if __name__ == "__main__":

@@ -156,6 +156,40 @@ async def _commit_rate(url: str, seconds: float = 2.0) -> float:
     return count / (time.perf_counter() - start)
 
 
+def queued_job_rows(jobs: int, models: int) -> list[JobRow]:
+    """`jobs` queued jobs over models m0..m{models-1}, as a submit would store them.
+
+    The one place the benchmarks reach into the job core's internals (the stored spec and
+    the job id): keep it in step when those move. `python -m bench.compare`
+    runs each tree's own copy of this module, so an old revision keeps its own version.
+    """
+    from app.jobs.store import new_job_id
+    from app.schemas.trajectories import TrajectoryCollection
+    from app.training import spec
+    from app.trajectories import collection_to_groups
+
+    payload = spec.encode(
+        collection_to_groups(TrajectoryCollection.model_validate(SMALL_COLLECTION))
+    )
+    rows = []
+    for i in range(jobs):
+        rows.append(
+            JobRow(
+                id=new_job_id(),
+                model_name=f"m{i % models}",
+                payload=payload.data,
+                payload_format=payload.format,
+                payload_bytes=payload.size,
+                hyperparameters={},
+                meta={},
+                summary={},
+                request_hash="x" * 64,
+                max_attempts=3,
+            )
+        )
+    return rows
+
+
 async def throughput(data_dir: Path, jobs: int = 3000, models: int = 60) -> dict[str, float]:
     await _reset(POSTGRES)
     engine = create_engine(POSTGRES)
@@ -188,28 +222,7 @@ async def throughput(data_dir: Path, jobs: int = 3000, models: int = 60) -> dict
                 if await session.scalar(select(func.count()).select_from(WorkerRow)) >= 2:
                     break
             await asyncio.sleep(0.1)
-        from app.services.jobs import PAYLOAD_FORMAT, _compressor, new_job_id
-
-        raw = dumps({"model": "m0", "collection": SMALL_COLLECTION})
-        rows = []
-        for i in range(jobs):
-            model = f"m{i % models}"
-            body = dumps({"model": model, "collection": SMALL_COLLECTION})
-            rows.append(
-                JobRow(
-                    id=new_job_id(),
-                    model_name=model,
-                    payload=_compressor.compress(body),
-                    payload_format=PAYLOAD_FORMAT,
-                    payload_bytes=len(body),
-                    hyperparameters={},
-                    meta={},
-                    summary={},
-                    request_hash="x" * 64,
-                    max_attempts=3,
-                )
-            )
-        del raw
+        rows = queued_job_rows(jobs, models)
         cpu_before = [_cpu_seconds(w.pid) for w in workers], _postgres_cpu_seconds()
         start = time.perf_counter()
         async with sessions() as session:

@@ -11,6 +11,12 @@ this project is built on, which have no GPU.
 
 from __future__ import annotations
 
+import os
+
+# litellm (imported by ART) fetches a model-cost map from the internet at import time
+# unless told to use its bundled copy.
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+
 import argparse
 import asyncio
 import time

@@ -1,25 +1,44 @@
 """Shared fixtures: a real database per test (SQLite file, or Postgres when
-TRAINYARD_TEST_DATABASE_URL is set) and the real app served over loopback HTTP."""
+TRAINYARD_TEST_DATABASE_URL is set) and the real app served over loopback HTTP.
+
+The schema is migrated once per session into a template (a SQLite file; a Postgres
+database named after the test database) and each test gets a fresh copy of it, so tests
+start at head without running Alembic. Tests of the migrations themselves take
+`empty_database_url` instead."""
 
 from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Callable
+import shutil
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import pytest
 import uvicorn
 from sqlalchemy import text
+from sqlalchemy.engine import make_url
 
 from app.db import create_engine
 from app.main import create_app
+from app.migrate import migrate
+from app.server import config as server_config
 from app.settings import Settings
 
 POSTGRES_URL = os.environ.get("TRAINYARD_TEST_DATABASE_URL")
 DIALECTS = ["sqlite"] + (["postgres"] if POSTGRES_URL else [])
+
+T = TypeVar("T")
+
+
+def run_apart(coroutine: Coroutine[Any, Any, T]) -> T:
+    """Run `coroutine` to completion on an event loop of its own, in another thread: sync
+    fixtures may be set up while a test's loop runs, and must leave that loop alone."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
 
 
 async def reset_postgres(url: str) -> None:
@@ -30,12 +49,95 @@ async def reset_postgres(url: str) -> None:
     await engine.dispose()
 
 
+def _quoted(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+async def _on_server(url: str, *statements: str) -> None:
+    """Run `statements` (CREATE/DROP DATABASE) from the `postgres` database of `url`'s server."""
+    admin = create_engine(
+        make_url(url).set(database="postgres").render_as_string(hide_password=False),
+        isolation_level="AUTOCOMMIT",
+    )
+    try:
+        async with admin.connect() as conn:
+            for statement in statements:
+                await conn.execute(text(statement))
+    finally:
+        await admin.dispose()
+
+
+async def recreate_postgres(url: str, template: str | None = None) -> None:
+    """Drop `url`'s database (whoever is connected) and create it again: empty, or a copy
+    of the database `template`."""
+    name = _quoted(make_url(url).database or "")
+    source = f" TEMPLATE {_quoted(template)}" if template else ""
+    await _on_server(
+        url, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)", f"CREATE DATABASE {name}{source}"
+    )
+
+
+async def drop_postgres(url: str) -> None:
+    name = _quoted(make_url(url).database or "")
+    await _on_server(url, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+async def _migrate_to_head(url: str) -> None:
+    engine = create_engine(url)
+    try:
+        await migrate(engine)
+        if engine.dialect.name == "sqlite":
+            # Everything into the main file, so copying that file alone copies the schema.
+            async with engine.connect() as conn:
+                await conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
+    finally:
+        await engine.dispose()
+
+
+@pytest.fixture(scope="session")
+def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A SQLite file migrated to head once per session; tests get copies of it."""
+    path = tmp_path_factory.mktemp("template") / "trainyard.db"
+    run_apart(_migrate_to_head(f"sqlite+aiosqlite:///{path}"))
+    for suffix in ("-wal", "-shm", "-journal"):
+        leftover = path.with_name(path.name + suffix)
+        assert not leftover.exists() or leftover.stat().st_size == 0, leftover
+    return path
+
+
+@pytest.fixture(scope="session")
+def postgres_template() -> Iterator[str]:
+    """A Postgres database migrated to head once per session, named after the test
+    database (two runs on different test databases don't share one); dropped at the end."""
+    assert POSTGRES_URL
+    url = make_url(POSTGRES_URL)
+    name = f"trainyard_template_{url.database}"
+    template_url = url.set(database=name).render_as_string(hide_password=False)
+    run_apart(recreate_postgres(template_url))
+    run_apart(_migrate_to_head(template_url))
+    yield name
+    run_apart(drop_postgres(template_url))
+
+
 @pytest.fixture(params=DIALECTS)
-async def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """A fresh, empty database on each dialect under test."""
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A fresh database at the schema's head on each dialect under test (a copy of the
+    session's template; the app need not migrate it)."""
     if request.param == "postgres":
         assert POSTGRES_URL
-        await reset_postgres(POSTGRES_URL)
+        run_apart(recreate_postgres(POSTGRES_URL, request.getfixturevalue("postgres_template")))
+        return POSTGRES_URL
+    path = tmp_path / "trainyard.db"
+    shutil.copy(request.getfixturevalue("sqlite_template"), path)
+    return f"sqlite+aiosqlite:///{path}"
+
+
+@pytest.fixture(params=DIALECTS)
+def empty_database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A fresh, empty database (no schema at all) on each dialect under test."""
+    if request.param == "postgres":
+        assert POSTGRES_URL
+        run_apart(recreate_postgres(POSTGRES_URL))
         return POSTGRES_URL
     return f"sqlite+aiosqlite:///{tmp_path / 'trainyard.db'}"
 
@@ -46,6 +148,7 @@ def make_settings(database_url: str, tmp_path: Path) -> Callable[..., Settings]:
         values: dict[str, Any] = {
             "database_url": database_url,
             "data_dir": tmp_path / "data",
+            "migrate_on_start": False,  # database_url is already at head
             "worker_enabled": False,
             "heartbeat_seconds": 0.2,
             "lease_seconds": 2.0,
@@ -61,11 +164,18 @@ def make_settings(database_url: str, tmp_path: Path) -> Callable[..., Settings]:
 class LiveServer:
     """The app under uvicorn on 127.0.0.1, in this event loop; a real HTTP client to it."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, **config: Any) -> None:
         self.app = app
-        self.server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
+        options: dict[str, Any] = {"host": "127.0.0.1", "port": 0, "log_level": "warning"}
+        options.update(config)
+        settings = getattr(app.state, "settings", None)
+        config = (
+            # The service as `trainyard serve` runs it: its protocol, deadlines and limits.
+            server_config(app, settings, lifespan="on", **options)
+            if isinstance(settings, Settings)
+            else uvicorn.Config(app, lifespan="on", **options)  # a stand-in for another service
         )
+        self.server = uvicorn.Server(config)
         self._task: asyncio.Task[None] | None = None
         self.url = ""
         self.client: httpx.AsyncClient
@@ -92,10 +202,11 @@ class LiveServer:
 def serve(make_settings: Callable[..., Settings]) -> Callable[..., Any]:
     """`async with serve(**settings) as live:` runs the app over loopback HTTP."""
 
-    def start(backend_overrides: dict[str, Any] | None = None, **overrides: Any) -> LiveServer:
-        return LiveServer(
-            create_app(make_settings(**overrides), backend_overrides=backend_overrides)
-        )
+    def start(
+        backend_overrides: dict[str, Any] | None = None, port: int = 0, **overrides: Any
+    ) -> LiveServer:
+        app = create_app(make_settings(**overrides), backend_overrides=backend_overrides)
+        return LiveServer(app, port=port)
 
     return start
 

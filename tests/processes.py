@@ -14,7 +14,7 @@ from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterable
 from datetime import datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import IO, Any, TypeVar
 
 import httpx
 from sqlalchemy import select
@@ -52,11 +52,14 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def start_api(settings: Settings, port: int, **extra: str) -> subprocess.Popen[bytes]:
+def start_api(
+    settings: Settings, port: int, *, output: IO[bytes] | None = None, **extra: str
+) -> subprocess.Popen[bytes]:
     """`trainyard serve` on 127.0.0.1:`port` (with its in-process worker unless `extra`
-    says TRAINYARD_WORKER_ENABLED=false)."""
+    says TRAINYARD_WORKER_ENABLED=false); `output` takes its stdout and stderr."""
     env = environment(settings, TRAINYARD_HOST="127.0.0.1", TRAINYARD_PORT=str(port), **extra)
-    return subprocess.Popen([TRAINYARD, "serve"], env=env)
+    stderr = subprocess.STDOUT if output is not None else None
+    return subprocess.Popen([TRAINYARD, "serve"], env=env, stdout=output, stderr=stderr)
 
 
 def stop(process: subprocess.Popen[bytes]) -> None:

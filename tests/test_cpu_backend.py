@@ -3,14 +3,19 @@ endpoint, trajectories posted back, real policy-gradient steps on a tiny local m
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
 
 from app.backends.tiny_model import make_tiny_model
+from app.main import create_app
 from tests.backends import wait_final
+from tests.conftest import LiveServer
 
 pytest.importorskip("torch")
 PROMPT = [{"role": "user", "content": "say yes"}]
@@ -19,6 +24,12 @@ PROMPT = [{"role": "user", "content": "say yes"}]
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+
+
+@pytest.fixture
+def serve(serve: Callable[..., LiveServer], tiny_model: Path) -> Callable[..., LiveServer]:
+    """The service, allowed to load the tiny model (TRAINYARD_MODEL_ROOTS)."""
+    return functools.partial(serve, model_roots=[tiny_model.parent])
 
 
 async def register(client: httpx.AsyncClient, base: Path, name: str = "toy") -> dict:
@@ -95,7 +106,8 @@ async def test_sample_train_and_serve_the_new_step(serve, tiny_model) -> None:
         done = await wait_final(live.client, job.json()["id"], timeout=60)
         model = (await live.client.get("/v1/models/toy")).json()
         after = (await sample(model, n=1, **probe))[0]["logprobs"]["content"][0]
-        stale = await sample_status(model, "toy@0")
+        past = await sample_status(model, "toy@0")  # its checkpoint is kept: served
+        missing = await sample_status(model, "toy@7")
 
     assert done["status"] == "succeeded", done["error"]
     assert done["result"]["final_step"] == 1
@@ -103,7 +115,7 @@ async def test_sample_train_and_serve_the_new_step(serve, tiny_model) -> None:
     assert Path(done["result"]["checkpoint_path"], "adapter_model.safetensors").exists()
     assert model["current_step"] == 1 and model["inference_model_name"] == "toy@1"
     assert after["logprob"] != pytest.approx(before["logprob"], abs=1e-6)
-    assert stale == 404
+    assert (past, missing) == (200, 404)
 
 
 async def sample_status(model: dict, name: str) -> int:
@@ -217,3 +229,39 @@ async def test_the_demo_model_is_ready_at_start(serve) -> None:
         choices = await sample(demo, n=1, max_tokens=2)
     assert demo["backend"] == "cpu" and demo["inference_model_name"] == "demo@0"
     assert choices[0]["logprobs"]["content"]
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@pytest.mark.parametrize("level", ["info", "debug"])
+async def test_the_api_keeps_its_access_log_once_a_cpu_model_is_served(
+    make_settings, tiny_model, level
+) -> None:
+    # As `trainyard serve` logs: uvicorn's access lines at info. The cpu backend's own
+    # server starts in the same process once a model is served, and must leave them be.
+    settings = make_settings(worker_enabled=True, model_roots=[tiny_model.parent])
+    access = logging.getLogger("uvicorn.access")
+    lines = _Lines()
+    async with LiveServer(create_app(settings), log_level=level) as live:
+        access.addHandler(lines)
+        try:
+            await live.client.get("/healthz?before")
+            model = await register(live.client, tiny_model)
+            await sample(model, n=1, max_tokens=1)  # the cpu backend's server answers too
+            await live.client.get("/healthz?after")
+            await live.client.post("/v1/nothing?after")
+        finally:
+            access.removeHandler(lines)
+    assert any("/healthz?before" in line for line in lines.lines)
+    assert any("GET /healthz?after" in line and "200" in line for line in lines.lines)
+    assert any("POST /v1/nothing?after" in line and "404" in line for line in lines.lines)
+    # The model endpoint's requests are not mixed into the API's access log.
+    assert not any("/chat/completions" in line for line in lines.lines)
+    assert access.isEnabledFor(logging.INFO)

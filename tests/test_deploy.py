@@ -16,6 +16,7 @@ import posixpath
 import re
 import shlex
 import shutil
+import sqlite3
 import subprocess
 import sys
 import tomllib
@@ -537,7 +538,13 @@ DOCKERFILES = [
 
 def test_dockerignore_keeps_secrets_and_virtualenvs_out() -> None:
     rules = dockerignore_rules()
-    for path in (".git/config", ".venv/bin/python", ".env", "app/__pycache__/x.cpython-311.pyc"):
+    for path in (
+        ".git/config",
+        ".venv/bin/python",
+        ".venv-nat/bin/python",
+        ".env",
+        "app/__pycache__/x.cpython-311.pyc",
+    ):
         assert is_ignored(path, rules), f".dockerignore lets {path} into the build context"
 
 
@@ -562,7 +569,7 @@ def test_copy_sources_exist_and_are_in_the_build_context(path: Path) -> None:
 @pytest.mark.parametrize("path", DOCKERFILES)
 def test_images_copy_what_the_package_needs(path: Path) -> None:
     sources = {posixpath.normpath(s).lstrip("/") for s in copy_sources(parse_dockerfile(path))}
-    required = {"pyproject.toml", "app"}
+    required = {"pyproject.toml", "app", "migrations"}
     readme = pyproject()["project"].get("readme")
     if isinstance(readme, str):
         required.add(readme)  # setuptools reads it while building the wheel
@@ -597,8 +604,21 @@ def test_image_runtime_contract(path: Path) -> None:
     assert params.get("host") == "0.0.0.0" and int(params["port"]) == API_PORT
 
 
-def test_the_built_wheel_carries_its_migrations(tmp_path: Path) -> None:
-    """Images install the package from a wheel; `trainyard migrate` must work from it."""
+def test_trainyard_migrate_works_from_the_built_wheel(tmp_path: Path) -> None:
+    """Images install the package from a wheel built from what they copy: it must hold
+    every module of `app/` and the whole Alembic tree (top-level `migrations/`, shipped as
+    `app/migrations/`), and `trainyard migrate` must run from it alone, away from the
+    source tree."""
+    # Built from a copy of the image's build context (no stale build/ directory either).
+    context = tmp_path / "context"
+    for source in copy_sources(parse_dockerfile(CPU_DOCKERFILE)):
+        relative = posixpath.normpath(source).lstrip("/")
+        if (ROOT / relative).is_dir():
+            junk = shutil.ignore_patterns("__pycache__", "*.py[cod]")
+            shutil.copytree(ROOT / relative, context / relative, ignore=junk)
+        else:
+            (context / relative).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(ROOT / relative, context / relative)
     subprocess.run(
         [
             sys.executable,
@@ -610,21 +630,49 @@ def test_the_built_wheel_carries_its_migrations(tmp_path: Path) -> None:
             "-q",
             "-w",
             str(tmp_path),
-            str(ROOT),
+            str(context),
         ],
         check=True,
     )
     (wheel,) = tmp_path.glob("trainyard-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    from app import migrate
-
-    revisions = {
-        f"app/migrations/versions/{p.name}"
-        for p in (migrate.SCRIPT_LOCATION / "versions").glob("*.py")
+    modules = {p.relative_to(ROOT).as_posix() for p in (ROOT / "app").rglob("*.py")}
+    tree = {
+        "app/" + p.relative_to(ROOT).as_posix()
+        for p in (ROOT / "migrations").rglob("*")
+        if p.is_file() and not JUNK.search(p.as_posix())
     }
+    revisions = {name for name in tree if name.startswith("app/migrations/versions/")}
     assert revisions, "no migration revisions found"
-    needed = {"app/migrations/env.py", "app/migrations/script.py.mako", *revisions}
-    assert needed <= names, f"the wheel lacks {sorted(needed - names)}"
+    assert {"app/migrations/env.py", "app/migrations/script.py.mako"} <= tree
+    assert modules | tree <= names, f"the wheel lacks {sorted((modules | tree) - names)}"
+
+    # Installed as pip installs it: unpacked onto the path, ahead of the editable checkout.
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    database = tmp_path / "wheel.db"
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(site),
+        "TRAINYARD_DATABASE_URL": f"sqlite+aiosqlite:///{database}",
+        "TRAINYARD_DATA_DIR": str(tmp_path / "data"),
+    }
+    migrate = (
+        "import sys, app.migrate; print(app.migrate.SCRIPT_LOCATION);"
+        "sys.argv = ['trainyard', 'migrate']; from app.cli import main; main()"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", migrate], env=env, cwd=tmp_path, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    location, said = done.stdout.strip().splitlines()
+    assert Path(location) == site / "app" / "migrations"
+    assert said == "database at head"
+    from app.migrate import head_revision
+
+    with sqlite3.connect(database) as conn:
+        (version,) = conn.execute("SELECT version_num FROM alembic_version").fetchone()
+    assert version == head_revision()
 
 
 def python_version_satisfies_project(version: str) -> None:

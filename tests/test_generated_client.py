@@ -139,7 +139,8 @@ async def test_generated_client_drives_a_training_job(
             assert ready.status_code == HTTPStatus.OK, ready.content
             assert isinstance(ready.parsed, models.Readiness)
             assert ready.parsed.status == "ready"
-            assert set(ready.parsed.checks.additional_keys) == {"database", "worker", "backends"}
+            checks = set(ready.parsed.checks.additional_keys)
+            assert checks == {"database", "worker", "backends", "models"}
 
             # A wrong key: a typed 401 problem, not a model.
             body = models.ModelCreate.from_dict(

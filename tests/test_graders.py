@@ -8,14 +8,21 @@ import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
+from app.egress import EgressClient, EgressPolicy
+from app.rollouts import graders
 from app.rollouts.graders import (
+    MAX_GRADED_CHARS,
+    MAX_REGEX_PROGRAM,
+    MAX_REGEX_WORK,
     NEEDS_EXPECTED,
+    THREAD_CHARS,
     ContainsGrader,
     ExactMatchGrader,
     Grade,
@@ -24,6 +31,7 @@ from app.rollouts.graders import (
     NumericGrader,
     RegexGrader,
     WebhookGrader,
+    compile_regex,
     grade,
 )
 from tests.conftest import LiveServer
@@ -36,7 +44,7 @@ def make(**spec: Any) -> Any:
 
 
 async def score(spec: dict[str, Any], answer: str, expected: Any = None) -> Grade:
-    async with httpx.AsyncClient() as client:
+    async with EgressClient(EgressPolicy()) as client:
         return await grade(
             make(**spec),
             example={"id": 1, "expected": expected},
@@ -109,7 +117,156 @@ def test_regex_rejects_an_invalid_pattern_with_the_regex_error() -> None:
         make(type="regex", pattern="([a-z")
     message = str(info.value)
     assert "invalid regular expression" in message
-    assert "unterminated character set at position 1" in message
+    assert "missing ]: [a-z" in message
+
+
+# Patterns that take Python's backtracking `re` exponential or polynomial time on answers
+# like the ones beside them (the first held a worker's event loop 8 s at 26, each +1
+# doubling it); RE2 runs each in time linear in the answer.
+CATASTROPHIC = [
+    (r"^(.?){26}.{26}$", "a" * 26),
+    (r"^(.?){40}.{40}$", "a" * 40),
+    (r"(a+)+$", "a" * 5000 + "!"),
+    (r"(a|aa)+$", "a" * 5000 + "!"),
+    (r"(\w+\s?)*$", "word " * 2000 + "!"),
+    (r"(x+x+)+y", "x" * 5000),
+    (r"(.*a){20}", "a" * 5000),
+    (r"^(([a-z])+.)+[A-Z]([a-z])+$", "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa!"),
+    (r"(?i)(a+)+b", "A" * 5000),
+]
+
+
+@pytest.mark.parametrize(("pattern", "answer"), CATASTROPHIC)
+async def test_regex_that_backtracks_catastrophically_in_re_is_linear(
+    pattern: str, answer: str
+) -> None:
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    for ignore_case in (False, True):
+        result = await score(
+            {"type": "regex", "pattern": pattern, "ignore_case": ignore_case}, answer
+        )
+        assert result.error is None and result.reward in (0.0, 1.0)
+    assert loop.time() - start < 0.2
+
+
+async def test_regex_on_the_longest_answer_keeps_the_event_loop_serving() -> None:
+    """The worst program accepted, on answers a thread grades: the loop never waits."""
+    loop = asyncio.get_running_loop()
+    lags: list[float] = []
+
+    async def tick() -> None:
+        while True:
+            begin = loop.time()
+            await asyncio.sleep(0.01)
+            lags.append(loop.time() - begin - 0.01)
+
+    ticker = asyncio.create_task(tick())
+    await asyncio.sleep(0.02)
+    pattern = r"(.*a){180}"  # just under MAX_REGEX_PROGRAM; its DFA gives up
+    size = compile_regex(pattern, False).programsize
+    assert MAX_REGEX_PROGRAM - 100 < size <= MAX_REGEX_PROGRAM
+    answer = "abcdefghij " * (MAX_REGEX_WORK // size // 11)  # the most work allowed
+    begin = loop.time()
+    result = await score({"type": "regex", "pattern": pattern}, answer)  # ~0.9 s of RE2
+    elapsed = loop.time() - begin
+    ticker.cancel()
+    assert result.error is None and result.reward == 1.0
+    assert max(lags) < 0.1, (max(lags), elapsed)
+    assert elapsed < 10, elapsed
+    over = answer + "x" * 20_000  # a little more work than allowed: not graded
+    result = await score({"type": "regex", "pattern": pattern}, over)
+    assert result.error is not None and "too long for this pattern" in result.error
+
+
+@pytest.mark.parametrize(
+    ("pattern", "reason"),
+    [
+        (r"(a)\1", "invalid escape sequence: \\1"),  # backreference
+        (r"(?P<x>a)(?P=x)", "invalid perl operator: (?P"),
+        (r"(?=a)b", "invalid perl operator: (?="),  # lookahead
+        (r"(?!a)b", "invalid perl operator: (?!"),
+        (r"(?<=a)b", "invalid perl operator: (?<="),  # lookbehind
+        (r"(?<!a)b", "invalid perl operator: (?<!"),
+        (r"(?>a+)b", "invalid perl operator: (?>"),  # atomic group
+        (r"a*+b", "bad repetition operator: *+"),  # possessive
+        (r"a{1001}", "invalid repetition size"),
+        (r"((a{100}){100}){100}", "invalid repetition size"),
+        (r"\p{L}{1000}", "pattern too large"),
+        (r"(\w+\s?){1000}x", "compiles to 10005 RE2 instructions; at most 2000"),
+        (r"(.*a){1000}", "RE2 instructions; at most 2000"),
+        (r"[a-z]{500}", "RE2 instructions; at most 2000"),  # only ignoring case: 3004
+    ],
+)
+def test_regex_refuses_what_re2_cannot_run_in_bounded_time(pattern: str, reason: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        make(type="regex", pattern=pattern)
+    assert reason in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("spec", "answer"),
+    [
+        ({"type": "exact_match"}, "x"),
+        ({"type": "contains"}, "x"),
+        ({"type": "regex", "pattern": "x"}, "x"),
+        ({"type": "numeric"}, "1"),
+        ({"type": "json_field", "path": "a"}, "{"),
+    ],
+)
+async def test_an_answer_over_the_limit_is_not_graded(spec: dict[str, Any], answer: str) -> None:
+    long = answer * (MAX_GRADED_CHARS + 1)
+    result = await score(spec, long, expected="x")
+    assert result.reward is None
+    assert result.error == (
+        f"the answer is {len(long)} characters long; graders read at most {MAX_GRADED_CHARS}"
+    )
+
+
+def embedded_json_worst_case(length: int) -> str:
+    """Braces that each open a long JSON prefix that never closes: every candidate reads
+    to the end of the answer unless the search is bounded."""
+    text = '{"a":' * 300 + "[" + "0," * length
+    return text[:length]
+
+
+@pytest.mark.parametrize(
+    ("spec", "answer"),
+    [
+        ({"type": "json_field", "path": "a"}, embedded_json_worst_case(MAX_GRADED_CHARS)),
+        ({"type": "json_field", "path": "a"}, "[" * MAX_GRADED_CHARS),
+        ({"type": "json_field", "path": "a"}, "{" * MAX_GRADED_CHARS),
+        ({"type": "json_field", "path": "a"}, embedded_json_worst_case(THREAD_CHARS)),
+        ({"type": "json_field", "path": "a"}, '{"a":"' + " {" * (MAX_GRADED_CHARS // 2 - 4)),
+        ({"type": "numeric"}, "1" + ",234" * (MAX_GRADED_CHARS // 4 - 1)),
+        ({"type": "numeric"}, "-" * MAX_GRADED_CHARS),
+        ({"type": "contains"}, "ab" * (MAX_GRADED_CHARS // 2)),
+        ({"type": "exact_match"}, " " * MAX_GRADED_CHARS),
+        ({"type": "regex", "pattern": "^(.?){26}.{26}$"}, "a" * MAX_GRADED_CHARS),
+    ],
+)
+async def test_long_hostile_answers_never_hold_the_event_loop(
+    spec: dict[str, Any], answer: str
+) -> None:
+    loop = asyncio.get_running_loop()
+    lags: list[float] = []
+
+    async def tick() -> None:
+        while True:
+            begin = loop.time()
+            await asyncio.sleep(0.005)
+            lags.append(loop.time() - begin - 0.005)
+
+    ticker = asyncio.create_task(tick())
+    await asyncio.sleep(0.02)
+    begin = loop.time()
+    expected = "1" if spec["type"] == "numeric" else "a" * 1000
+    result = await score(spec, answer, expected=expected)
+    elapsed = loop.time() - begin
+    ticker.cancel()
+    assert result.error is None or "too long" in result.error
+    assert max(lags) < 0.1, max(lags)
+    assert elapsed < 2, elapsed
 
 
 def test_regex_rejects_a_pattern_over_1000_characters() -> None:
@@ -155,6 +312,24 @@ async def test_numeric_takes_the_last_number(answer: str, expected: Any, reward:
 )
 async def test_numeric_tolerance(spec: dict[str, Any], answer: str, reward: float) -> None:
     assert (await score({"type": "numeric", **spec}, answer, 100)).reward == reward
+
+
+def _last_number_everywhere(text: str) -> float | None:
+    """The reference: the last match of a search of the whole text."""
+    matches = list(graders._NUMBER.finditer(text))
+    return graders._to_float(matches[-1].group()) if matches else None
+
+
+@given(st.text(alphabet="0123456789,.eE+-\u2212 a)]x_", max_size=60))
+@settings(max_examples=500, deadline=None)
+def test_last_number_reads_the_same_number_as_a_search_of_the_whole_text(text: str) -> None:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(graders, "NUMBER_WINDOW", 8)
+        digits = [i for i, c in enumerate(text) if c.isdigit()]
+        if digits:  # the window only falls short for a run of number characters over it
+            run = text[: digits[-1] + 1]
+            assume(len(run) - len(run.rstrip(graders._NUMBER_CHARS)) <= 8)
+        assert graders.last_number(text) == _last_number_everywhere(text)
 
 
 async def test_numeric_without_a_number_in_the_answer_is_a_wrong_answer() -> None:
@@ -357,7 +532,7 @@ async def service() -> AsyncIterator[GradingService]:
 async def hook(
     url: str, *, example: dict[str, Any] | None = None, answer: str = "Paris", **spec: Any
 ) -> Grade:
-    async with httpx.AsyncClient() as client:
+    async with EgressClient(EgressPolicy()) as client:
         return await grade(
             make(type="webhook", url=url, **spec),
             example=example or {"id": "q1", "expected": "Paris"},
@@ -385,10 +560,12 @@ async def test_webhook_returns_the_services_reward_and_reasoning(service: Gradin
     assert await hook(f"{service.live.url}/int-reward") == Grade(1.0)
 
 
-async def test_webhook_500_is_an_error_grade_with_status_and_body(service: GradingService) -> None:
+async def test_webhook_500_is_an_error_grade_with_status_and_length_not_body(
+    service: GradingService,
+) -> None:
     result = await hook(f"{service.live.url}/crash")
     assert result.reward is None
-    assert result.error == "webhook grader answered HTTP 500: grader crashed: KeyError 'answer'"
+    assert result.error == "webhook grader answered HTTP 500 (33 bytes)"
 
 
 async def test_webhook_404_is_an_error_grade(service: GradingService) -> None:
@@ -408,11 +585,11 @@ async def test_webhook_timeout_is_an_error_grade(service: GradingService) -> Non
 @pytest.mark.parametrize(
     ("path", "error"),
     [
-        ("/no-reward", 'no numeric `reward`: {"score":1.0}'),
+        ("/no-reward", "HTTP 200 with no numeric `reward` (13 bytes)"),
         ("/bool", "no numeric `reward`"),
-        ("/nan", "a reward that is not finite: nan"),
+        ("/nan", "a reward that is not finite"),
         ("/bad-reasoning", "a `reasoning` that is not a string or null"),
-        ("/text", "a body that is not JSON: looks right to me"),
+        ("/text", "HTTP 200 with a body that is not JSON (17 bytes)"),
         ("/huge", "answered more than 1048576 bytes"),
     ],
 )

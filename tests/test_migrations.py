@@ -20,8 +20,8 @@ def _tables(sync_conn) -> set[str]:
     return set(inspect(sync_conn).get_table_names()) - {"alembic_version"}
 
 
-async def test_upgrade_check_downgrade_round_trip(database_url: str) -> None:
-    engine = create_engine(database_url)
+async def test_upgrade_check_downgrade_round_trip(empty_database_url: str) -> None:
+    engine = create_engine(empty_database_url)
     try:
         await migrate(engine)
         async with engine.connect() as conn:
@@ -39,8 +39,8 @@ async def test_upgrade_check_downgrade_round_trip(database_url: str) -> None:
         await engine.dispose()
 
 
-async def test_migrating_twice_is_a_no_op(database_url: str) -> None:
-    engine = create_engine(database_url)
+async def test_migrating_twice_is_a_no_op(empty_database_url: str) -> None:
+    engine = create_engine(empty_database_url)
     try:
         await migrate(engine)
         await migrate(engine)
@@ -50,11 +50,11 @@ async def test_migrating_twice_is_a_no_op(database_url: str) -> None:
         await engine.dispose()
 
 
-async def test_replicas_starting_together_do_not_race(database_url: str) -> None:
+async def test_replicas_starting_together_do_not_race(empty_database_url: str) -> None:
     """On Postgres the advisory lock serializes them; on SQLite the file lock does."""
     import asyncio
 
-    engines = [create_engine(database_url) for _ in range(3)]
+    engines = [create_engine(empty_database_url) for _ in range(3)]
     try:
         await asyncio.gather(*(migrate(e) for e in engines))
         async with engines[0].connect() as conn:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +13,7 @@ import pytest
 from fastapi import FastAPI
 
 from app.backends.tiny_model import make_tiny_model
+from tests import factories as f
 from tests.conftest import LiveServer
 
 pytest.importorskip("torch")
@@ -30,6 +33,12 @@ EXAMPLES = [
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("rollout-models") / "tiny")
+
+
+@pytest.fixture
+def serve(serve: Callable[..., LiveServer], tiny_model: Path) -> Callable[..., LiveServer]:
+    """The service, allowed to load the tiny model (TRAINYARD_MODEL_ROOTS)."""
+    return functools.partial(serve, model_roots=[tiny_model.parent])
 
 
 async def wait_job(client: httpx.AsyncClient, url: str, timeout: float = 60) -> dict:
@@ -85,10 +94,15 @@ async def test_graded_rollout_builds_groups_with_logprobs_and_trains(serve, tiny
     assert rewards <= {0.0, 1.0}
     assert training["status"] == "succeeded", training["error"]
     assert training["metadata"] == {"rollout_job": job["id"]}
+    assert training["policy_step"] == 0  # the step the rollout sampled tags its data
     assert model["current_step"] == 1
     types = [e["type"] for e in events["data"]]
     assert types[0] == "job_queued" and types[-1] == "rollout_ended"
     assert "rollout_progress" in types
+    # A rollout speaks its own words: it samples the step it started from, trains nothing.
+    started = next(e for e in events["data"] if e["type"] == "rollout_started")
+    assert started["data"]["start_step"] == 0 and started["data"]["samples"] == 12
+    assert not [t for t in types if t.startswith("training_")]
 
 
 async def test_webhook_grader_and_its_errors(serve, tiny_model) -> None:
@@ -230,3 +244,33 @@ async def test_cancel_a_queued_rollout_and_trajectories_are_409_until_done(
     assert early.status_code == 409
     assert cancelled.json()["status"] == "cancelled"
     assert wrong_kind.status_code == 404
+
+
+async def test_an_idempotency_key_returns_the_rollout_it_made(serve, tiny_model) -> None:
+    async with serve() as live:  # no worker: the jobs stay queued
+        await cpu_model(live.client, tiny_model)
+        body = {"model": "toy", "examples": EXAMPLES, "grader": {"type": "contains"}}
+        headers = {"Idempotency-Key": "rollout-1"}
+        first = await live.client.post("/v1/rollout-jobs", json=body, headers=headers)
+        again = await live.client.post("/v1/rollout-jobs", json=body, headers=headers)
+        other = {**body, "num_generations": 3}
+        reused = await live.client.post("/v1/rollout-jobs", json=other, headers=headers)
+        # A key is one job of any kind: a training job cannot take it over either.
+        training = await live.client.post(
+            "/v1/training-jobs",
+            json={"model": "toy", "collection": f.nat_collection()},
+            headers=headers,
+        )
+        empty = await live.client.post(
+            "/v1/rollout-jobs", json=body, headers={"Idempotency-Key": ""}
+        )
+        listed = (await live.client.get("/v1/rollout-jobs")).json()["data"]
+    assert first.status_code == again.status_code == 202
+    assert again.json()["id"] == first.json()["id"]
+    assert again.headers["idempotent-replayed"] == "true"
+    assert "idempotent-replayed" not in first.headers
+    for refused in (reused, training):
+        assert refused.status_code == 422, refused.text
+        assert refused.json()["errors"][0]["type"] == "idempotency_key_reused"
+    assert empty.status_code == 422
+    assert [j["id"] for j in listed] == [first.json()["id"]]

@@ -10,8 +10,10 @@ Before that, models and jobs in every state are made through the API; path param
 `model` fields are drawn from their names and ids half of the time, so operations reach
 real rows and not only 404s. Rollouts need a served model: the dry-run trainer stands in for
 the `cpu` backend and serves from a scripted OpenAI-compatible endpoint (no weights here).
-Nothing leaves the machine: the worker's requests to generated webhook and agent URLs go
-to a proxy that refuses them.
+Nothing leaves the machine: the worker's calls to generated webhook and agent URLs go
+through the egress policy with only loopback allowed, and a resolver that resolves no name
+but `localhost` (no DNS query leaves either); the sampling client's requests elsewhere go to
+a proxy that refuses them.
 
 The run takes about half a minute on two cores (plus the seeding).
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -35,11 +38,13 @@ import httpx
 import pytest
 import uvicorn
 
+from app import egress
 from app.backends.dry_run import DryRunBackend
 from app.main import create_app
 from app.settings import Settings
 from tests import factories
 
+ROOT = str(Path(__file__).resolve().parents[1])
 API_KEY = "fuzz-key"
 SEED = 7_2024
 MAX_EXAMPLES = 25  # per operation and phase
@@ -49,6 +54,7 @@ REQUEST_TIMEOUT = 10.0
 MAX_STREAM_EVENTS = 2
 STREAM_TIMEOUT = 1.5
 FINAL = {"succeeded", "failed", "cancelled"}
+REJECTIONS = ["400", "401", "403", "404", "405", "406", "409", "413", "415", "422", "428", "429"]
 HOLD = "hold"  # a prompt the sampler answers only when the test ends: a rollout stays running
 
 # Checks: all of them ("checks.enabled"), so 5xx, undocumented status codes, content types,
@@ -59,10 +65,20 @@ POSITIVE_DATA_ACCEPTANCE_OFF = {
     # carry rules JSON Schema cannot state, answered with 422 and the failing field's path:
     # the model must exist (and, for rollouts, be served); `config` and `hyperparameters`
     # must suit the model's backend; trajectories must be trainable (an assistant turn with
-    # OpenAI logprobs, roles in order); example ids must be unique.
+    # OpenAI logprobs, roles in order); example ids must be unique; an alias must name a
+    # step whose checkpoint is on disk; a schedule needs `epochs` or `max_steps`; a webhook's
+    # URL must pass the egress policy (only loopback here). And strict bodies take no `2.0`
+    # for an integer.
     "models-create",
     "training_jobs-create",
     "rollout_jobs-create",
+    "webhooks-create",
+    "checkpoints-set_alias",
+    "checkpoints-set_retention",
+    # A run's dataset must exist and hold the splits it names; a dataset's lines must each
+    # be an example (a JSON Lines body is a string to the schema).
+    "runs-create",
+    "datasets-upload",
 }
 
 
@@ -189,6 +205,9 @@ class Seeded:
     models: list[str] = field(default_factory=list)
     training_jobs: list[str] = field(default_factory=list)
     rollout_jobs: list[str] = field(default_factory=list)
+    runs: list[str] = field(default_factory=list)
+    datasets: list[str] = field(default_factory=list)
+    webhooks: list[str] = field(default_factory=list)
 
 
 def _wait(client: httpx.Client, url: str, statuses: set[str]) -> dict[str, Any]:
@@ -201,12 +220,15 @@ def _wait(client: httpx.Client, url: str, statuses: set[str]) -> dict[str, Any]:
         time.sleep(0.05)
 
 
-def seed(client: httpx.Client) -> Seeded:
+def seed(client: httpx.Client, data_dir: Path) -> Seeded:
     """Models on three backends, and jobs queued, running, succeeded, failed, cancelled."""
     seeded = Seeded()
 
     def model(name: str, backend: str = "dry-run", **config: Any) -> None:
-        response = client.post("/v1/models", json=factories.model_body(name, backend, **config))
+        body = factories.model_body(name, backend, **config)
+        if backend == "cpu":  # loads from the disk: a path under the data directory
+            body["base_model"] = str((data_dir / "models" / "base").absolute())
+        response = client.post("/v1/models", json=body)
         assert response.status_code == 201, response.text
         seeded.models.append(name)
 
@@ -228,6 +250,18 @@ def seed(client: httpx.Client) -> Seeded:
         assert response.status_code == 202, response.text
         seeded.rollout_jobs.append(response.json()["id"])
         return str(response.headers["location"])
+
+    # A webhook endpoint for every event, on a loopback port that refuses: the jobs below
+    # leave it deliveries with failed attempts in its log.
+    hook = client.post(
+        "/v1/webhooks",
+        json={
+            "url": "http://127.0.0.1:9/hook",
+            "event_types": ["job.succeeded", "job.failed", "job.cancelled", "run.succeeded"],
+        },
+    )
+    assert hook.status_code == 201, hook.text
+    seeded.webhooks.append(hook.json()["id"])
 
     model("fuzz-dry")
     model("fuzz-failing", fail_with="the trainer refused")
@@ -255,6 +289,44 @@ def seed(client: httpx.Client) -> Seeded:
     seeded.training_jobs.append(job["training_job_id"])  # the rollout enqueued it
     _wait(client, held, {"running"})
 
+    # A dataset, a run that ends and one that waits (its rollout queues behind `held`).
+    lines = [
+        {"id": i, "messages": [{"role": "user", "content": "yes?"}], "expected": "yes", "split": s}
+        for i, s in enumerate(["train", "train", "validation"])
+    ]
+    upload = client.post(
+        "/v1/datasets?name=fuzz",
+        content="\n".join(map(json.dumps, lines)),
+        headers={"Content-Type": "application/jsonl"},
+    )
+    assert upload.status_code == 201, upload.text
+    seeded.datasets.append(upload.json()["id"])
+    model("fuzz-runs", "cpu")
+
+    def run(model: str, steps: int = 1) -> str:
+        body = {
+            "model": model,
+            "dataset": {"id": upload.json()["id"]},
+            "recipe": {"num_generations": 2, "grader": {"type": "exact_match"}},
+            "schedule": {"max_steps": steps, "examples_per_step": 2},
+            "validation": {"every_steps": 1, "num_generations": 1},
+        }
+        response = client.post("/v1/runs", json=body)
+        assert response.status_code == 202, response.text
+        seeded.runs.append(response.json()["id"])
+        return str(response.headers["location"])
+
+    ended = run("fuzz-runs")
+    assert _wait(client, ended, FINAL)["status"] == "succeeded"
+    # Long runs that stay: one paused (the fuzzer pauses and resumes them), and the one the
+    # fuzzer may cancel (last).
+    paused = run("fuzz-runs", steps=10_000)
+    assert client.post(f"{paused}/pause").status_code == 200
+    run("fuzz-served", steps=10_000)
+    run("fuzz-served", steps=10_000)
+    # The documented example of a run names the model `demo`.
+    model("demo", "cpu")
+
     collection = client.get(f"{finished}/trajectories")
     assert collection.status_code == 200, collection.text
     episodes = [t["episode"] for group in collection.json()["trajectories"] for t in group]
@@ -267,6 +339,7 @@ def seed(client: httpx.Client) -> Seeded:
         ("/v1/models", None),
         ("/v1/training-jobs", "fuzz-dry"),
         ("/v1/rollout-jobs", "fuzz-served"),
+        ("/v1/runs", "demo"),
     ]:
         ref = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]
         name = ref["schema"]["$ref"].rsplit("/", 1)[-1]
@@ -278,23 +351,48 @@ def seed(client: httpx.Client) -> Seeded:
             seeded.models.append(created["name"])
         elif path == "/v1/training-jobs":
             seeded.training_jobs.append(created["id"])
+        elif path == "/v1/runs":
+            seeded.runs.insert(0, created["id"])
         else:
             seeded.rollout_jobs.append(created["id"])  # queued behind `held`
     return seeded
 
 
+def seed_checkpoints(client: httpx.Client, data_dir: Path) -> None:
+    """Checkpoints with an adapter to export (the dry-run trainer writes none: files as the
+    cpu backend saves them), step 0 of each model kept by an alias, and a retention policy
+    (that keeps them all)."""
+    for checkpoint in data_dir.glob("*/tests/models/*/checkpoints/[0-9]*"):
+        (checkpoint / "adapter_config.json").write_text('{"peft_type": "LORA"}')
+        (checkpoint / "adapter_model.safetensors").write_bytes(b"\0" * 64)
+        if checkpoint.name == "0000":
+            name = checkpoint.parent.parent.name
+            alias = client.put(f"/v1/models/{name}/aliases/seeded", json={"step": 0})
+            assert alias.status_code == 201, alias.text
+    policy = client.put("/v1/models/fuzz-dry/retention", json={"keep_last": 1000})
+    assert policy.status_code == 201, policy.text
+
+
 def cancel_unfinished(client: httpx.Client) -> None:
-    for kind in ("training-jobs", "rollout-jobs"):
+    for kind in ("runs", "training-jobs", "rollout-jobs"):
         for status in ("running", "queued"):
             page = client.get(f"/v1/{kind}", params={"status": status, "limit": 100}).json()
             for job in page["data"]:
                 client.post(f"/v1/{kind}/{job['id']}/cancel")
 
 
+async def loopback_resolver(host: str, port: int) -> list[str]:
+    if host.lower().rstrip(".") == "localhost":
+        return ["127.0.0.1"]
+    raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+
 @pytest.fixture
 def no_egress(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Generated bodies name webhook graders and agents at any URL, and the worker calls
-    them: send every HTTP request not to loopback to a proxy that refuses connections."""
+    them: resolve no name but `localhost` (the server's settings allow only loopback), and
+    send every other HTTP request not to loopback to a proxy that refuses connections."""
+    monkeypatch.setattr(egress, "_system_resolver", loopback_resolver)
     with socket.socket() as refusing:
         refusing.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
         proxy = f"http://127.0.0.1:{refusing.getsockname()[1]}"
@@ -320,6 +418,7 @@ def fuzzed_server(
         poll_seconds=0.5,
         retry_base_seconds=0.05,
         max_body_bytes=1024 * 1024,
+        egress_allow=["loopback"],
     )
     served = ServedDryRun(tmp_path / "data" / "served", sampler.url)
     server = ThreadedServer(create_app(settings, backend_overrides={"cpu": served}))
@@ -331,7 +430,8 @@ def fuzzed_server(
         with server:
             headers = {"Authorization": f"Bearer {API_KEY}"}
             with httpx.Client(base_url=server.url, headers=headers, timeout=30) as client:
-                seeded = seed(client)
+                seeded = seed(client, settings.data_dir)
+                seed_checkpoints(client, settings.data_dir)
                 yield server.url, seeded, errors
                 # A stopping worker gives running jobs 10 s to finish: end them now.
                 sampler.released.set()
@@ -367,6 +467,38 @@ def schemathesis_config(seeded: Seeded) -> dict[str, Any]:
             "include-tag": "rollout_jobs",
             "parameters": {"path.job_id": {"dictionary": "rollout_jobs", "probability": 0.5}},
         },
+        {
+            # Cancel only the run seeded for it: the others stay running to pause and resume.
+            "include-operation-id": "runs-cancel",
+            "parameters": {"path.run_id": {"dictionary": "run_to_cancel", "probability": 0.5}},
+        },
+        {
+            "include-tag": "runs",
+            "exclude-operation-id": "runs-cancel",
+            "parameters": {
+                "path.run_id": {"dictionary": "runs", "probability": 0.5},
+                "path.job_id": {"dictionary": "runs", "probability": 0.5},
+                "body.model": {"dictionary": "models", "probability": 0.5},
+            },
+        },
+        {
+            "include-tag": "datasets",
+            "parameters": {"path.dataset_id": {"dictionary": "datasets", "probability": 0.5}},
+        },
+        {
+            "include-tag": "webhooks",
+            "parameters": {"path.endpoint_id": {"dictionary": "webhooks", "probability": 0.5}},
+        },
+        {
+            # The seeded models' steps: 0 (aliased), 1 and 2 of `fuzz-dry` (deletable).
+            "include-tag": "checkpoints",
+            "parameters": {
+                "path.step": {"dictionary": "steps", "probability": 0.5},
+                # The model whose steps 1 and 2 may be deleted (more models than it are
+                # seeded: drawn from all of them, a deletable step was seldom named).
+                "path.name": {"dictionary": "checkpointed", "probability": 0.5},
+            },
+        },
     ]
     return {
         "seed": SEED,
@@ -376,11 +508,22 @@ def schemathesis_config(seeded: Seeded) -> dict[str, Any]:
         "max-stream-events": MAX_STREAM_EVENTS,
         "continue-on-failure": True,
         "generation": {"max-examples": MAX_EXAMPLES, "deterministic": True, "database": "none"},
-        "checks": {"enabled": True},
+        "checks": {
+            "enabled": True,
+            # An invalid body may also be too large (e.g. more items than `maxItems` allows
+            # the fuzzer makes megabytes): 413 refuses it as surely as 422.
+            "negative_data_rejection": {"expected-statuses": REJECTIONS},
+        },
         "dictionaries": {
             "models": {"values": seeded.models},
             "training_jobs": {"values": seeded.training_jobs},
             "rollout_jobs": {"values": seeded.rollout_jobs},
+            "runs": {"values": seeded.runs},
+            "run_to_cancel": {"values": seeded.runs[-1:]},
+            "datasets": {"values": seeded.datasets},
+            "webhooks": {"values": seeded.webhooks},
+            "steps": {"values": [0, 1, 2, 3]},
+            "checkpointed": {"values": ["fuzz-dry"]},
         },
         "parameters": {"path.name": {"dictionary": "models", "probability": 0.5}},
         "operations": operations,
@@ -431,7 +574,9 @@ def test_every_operation_survives_hostile_input(
         text=True,
         timeout=540,
         cwd=tmp_path,
+        env={**os.environ, "SCHEMATHESIS_HOOKS": "tests.fuzz_hooks", "PYTHONPATH": ROOT},
     )
+    (tmp_path / "schemathesis.out").write_text(run.stdout + run.stderr)
     output = run.stdout[-30_000:] + run.stderr[-5_000:]
     if errors.records:
         output += "\n\nERROR records of the service:\n" + "\n".join(errors.records[:10])

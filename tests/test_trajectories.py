@@ -6,10 +6,6 @@ way the API validates a request body: `model_validate_json`.
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # `import art` must not go online
-
 import json
 from typing import Any
 

@@ -12,17 +12,19 @@ from sqlalchemy.exc import IntegrityError
 
 from app.backends import Backends
 from app.db import create_engine, create_sessionmaker, transaction, utcnow
-from app.migrate import migrate
-from app.models import JobEventRow, JobRow, JobStatus, ModelRow
+from app.jobs.lifecycle import ErrorInfo, EventType, JobStatus, Retry, Succeeded
+from app.jobs.store import Claim, store_for
+from app.jobs.worker import Worker
+from app.models import JobEventRow, JobRow, ModelRow
 from app.notify import Notifier
 from app.schemas.jobs import TrainingJobCreate
 from app.schemas.models import ModelCreate
-from app.services.jobs import create_training_job
 from app.services.models import create_model
-from app.worker import queue
-from app.worker.runner import Worker
+from app.training.service import create_training_job, prepare
 from tests import factories as f
 from tests.backends import FlakyBackend, RecordingBackend
+
+STARTED = (EventType.training_started, {})
 
 
 class Env:
@@ -30,9 +32,10 @@ class Env:
         self.settings = settings
         self.sessions = sessions
         self.backend = backend
+        self.store = store_for(sessions.kw["bind"])
         self.worker = Worker(
             settings=settings,
-            engine=sessions.kw["bind"],
+            store=self.store,
             backends=Backends(settings, {"dry-run": backend}),
             notifier=Notifier(),
         )
@@ -40,7 +43,9 @@ class Env:
     async def model(self, name: str = "agent", **config) -> None:
         async with self.sessions() as session:
             await create_model(
-                session, body=ModelCreate.model_validate(f.model_body(name, **config))
+                session,
+                body=ModelCreate.model_validate(f.model_body(name, **config)),
+                model_roots=self.settings.allowed_model_roots(),
             )
             await session.commit()
 
@@ -50,8 +55,7 @@ class Env:
         async with self.sessions() as session:
             job, _ = await create_training_job(
                 session,
-                body=TrainingJobCreate.model_validate_json(raw),
-                raw=raw,
+                job=prepare(TrainingJobCreate.model_validate_json(raw), raw, self.settings),
                 idempotency_key=None,
                 max_attempts=self.settings.max_attempts,
             )
@@ -62,14 +66,14 @@ class Env:
     def engine(self):
         return self.worker.engine
 
-    async def claim_after_job(self, model: str = "agent") -> queue.Claim:
+    async def claim_after_job(self, model: str = "agent") -> Claim:
         await self.job(model)
         claim = await self.claim()
         assert claim is not None
         return claim
 
-    async def claim(self) -> queue.Claim | None:
-        claims = await queue.claim(self.engine, owner="test", lease_seconds=30)
+    async def claim(self) -> Claim | None:
+        claims = await self.store.claim(owner="test", lease_seconds=30)
         return claims[0] if claims else None
 
     async def row(self, job_id: str) -> JobRow:
@@ -105,7 +109,6 @@ class Env:
 async def _env(make_settings, backend) -> AsyncIterator[Env]:
     settings = make_settings(max_attempts=2)
     engine = create_engine(settings.database_url)
-    await migrate(engine)
     try:
         yield Env(settings, create_sessionmaker(engine), backend)
     finally:
@@ -221,22 +224,16 @@ async def test_a_stale_lease_writes_nothing(env: Env) -> None:
     job_id = await env.job()
     stale = await env.claim()
     await env.expire(job_id)
-    assert await env.worker.recover_expired() == {job_id: "retried"}
+    assert await env.worker.recover_expired() == {job_id: JobStatus.queued}
     await env.make_eligible(job_id)
     fresh = await env.claim()
     assert fresh is not None and fresh.lease.attempt == 2
-    beat = await queue.heartbeat(env.engine, stale.lease, lease_seconds=30)
+    beat = await env.store.heartbeat(stale.lease, lease_seconds=30)
     assert beat.alive is False
     events_before = await env.events(job_id)
-    assert not await queue.finish(
-        env.engine,
-        stale.lease,
-        status=JobStatus.succeeded,
-        event="training_ended",
-        data={},
-        earlier_events=[("training_started", {})],
-        model_update={"current_step": 99},
-    )
+    stale_result = Succeeded({}, model={"current_step": 99})
+    started = (EventType.training_started, {})
+    assert await env.store.apply(stale.lease, stale_result, earlier=[started]) is None
     # Nothing of the stale write lands: not the job, not its events, not the model.
     assert (await env.row(job_id)).status == "running"
     assert await env.events(job_id) == events_before
@@ -252,14 +249,14 @@ async def test_expired_lease_after_the_step_counts_it_once(env: Env) -> None:
     lease = await env.claim()
     # The worker recorded its start, the backend finished the step, then the worker died.
     spec_step = 0
-    assert await queue.record_start(env.engine, lease.lease, start_step=spec_step, data={})
+    assert await env.store.record_start(lease.lease, start_step=spec_step, event=STARTED)
     adapter = env.worker.backends.get("dry-run")
     from app.backends.base import ModelSpec
 
     spec = ModelSpec("agent", "tests", "tiny/base", {})
     await adapter.train(spec, [], {})
     await env.expire(job_id)
-    assert await env.worker.recover_expired() == {job_id: "recovered"}
+    assert await env.worker.recover_expired() == {job_id: JobStatus.succeeded}
     row = await env.row(job_id)
     assert (row.status, row.recovered, row.final_step) == ("succeeded", True, 1)
     assert await adapter.get_step(spec) == 1
@@ -272,10 +269,10 @@ async def test_expired_lease_before_the_step_is_retried_with_backoff(env: Env) -
     await env.model()
     job_id = await env.job()
     lease = await env.claim()
-    assert await queue.record_start(env.engine, lease.lease, start_step=0, data={})
+    assert await env.store.record_start(lease.lease, start_step=0, event=STARTED)
     await env.expire(job_id)
     before = utcnow()
-    assert await env.worker.recover_expired() == {job_id: "retried"}
+    assert await env.worker.recover_expired() == {job_id: JobStatus.queued}
     row = await env.row(job_id)
     assert row.status == "queued" and row.not_before > before
     assert row.error["type"] == "LeaseExpired" and row.error["transient"] is True
@@ -286,7 +283,7 @@ async def test_expired_lease_before_the_step_is_retried_with_backoff(env: Env) -
 async def test_attempts_run_out_then_the_job_fails_with_the_last_error(env: Env) -> None:
     await env.model()
     job_id = await env.job()
-    for expected in ("retried", "failed"):
+    for expected in (JobStatus.queued, JobStatus.failed):
         lease = await env.claim()
         assert lease is not None
         await env.expire(job_id)
@@ -344,7 +341,7 @@ async def test_a_batch_claim_takes_one_job_per_model(env: Env) -> None:
     for name in "abc":
         await env.model(name)
     a1, a2, b1, c1 = [await env.job(m) for m in "aabc"]
-    claims = await queue.claim(env.engine, owner="test", lease_seconds=30, limit=3)
+    claims = await env.store.claim(owner="test", lease_seconds=30, limit=3)
     assert [c.lease.job_id for c in claims] == [a1, b1, c1]
     assert {c.model.name for c in claims} == {"a", "b", "c"}
     assert len({c.lease.token for c in claims}) == 3  # each job its own fencing token
@@ -363,7 +360,7 @@ async def test_a_batch_claim_takes_one_job_per_model(env: Env) -> None:
         assert (claimed.type, claimed.data) == ("job_claimed", {"worker": "test", "attempt": 1})
         assert row.last_event_seq == 2
     assert (await env.row(a2)).status == "queued"
-    assert await queue.claim(env.engine, owner="test", lease_seconds=30, limit=3) == []
+    assert await env.store.claim(owner="test", lease_seconds=30, limit=3) == []
 
 
 async def test_an_error_after_the_step_landed_counts_the_step_once(make_settings, tmp_path) -> None:
@@ -386,9 +383,8 @@ async def test_a_retry_honours_a_cancel_asked_meanwhile(env: Env) -> None:
         await session.execute(
             update(JobRow).where(JobRow.id == job_id).values(cancel_requested=True)
         )
-    status = await queue.retry_or_fail(
-        env.engine, claim.lease, error={"type": "X"}, max_attempts=3, retry_base_seconds=0
-    )
+    error = ErrorInfo(type="X", message="", transient=True)
+    status = await env.store.apply(claim.lease, Retry(error, delay_s=0))
     assert status == JobStatus.cancelled
     assert (await env.row(job_id)).status == "cancelled"
 
@@ -409,7 +405,7 @@ async def test_one_job_that_cannot_be_settled_does_not_stop_recovery(env: Env) -
             .where(ModelRow.name == "broken")
             .values(config={"seconds_per_step": "slow"})
         )
-    assert await env.worker.recover_expired() == {good: "retried"}
+    assert await env.worker.recover_expired() == {good: JobStatus.queued}
     assert (await env.row(broken)).status == "running"
 
 
@@ -448,7 +444,7 @@ async def test_a_worker_dying_right_after_a_claim_with_a_known_step(env: Env) ->
     # Dies before training: the backend is still at the recorded step -> retried.
     assert (await env.claim()).start_step == 1
     await env.expire(retried)
-    assert await env.worker.recover_expired() == {retried: "retried"}
+    assert await env.worker.recover_expired() == {retried: JobStatus.queued}
     await env.make_eligible(retried)
     await env.worker.process(await env.claim())
     assert (await env.row(retried)).final_step == 2
@@ -457,7 +453,7 @@ async def test_a_worker_dying_right_after_a_claim_with_a_known_step(env: Env) ->
     assert (await env.claim()).start_step == 2
     await env.worker.backends.get("dry-run").train(ModelSpec("agent", "", "", {}), [], {})
     await env.expire(recovered)
-    assert await env.worker.recover_expired() == {recovered: "recovered"}
+    assert await env.worker.recover_expired() == {recovered: JobStatus.succeeded}
     row = await env.row(recovered)
     assert (row.status, row.recovered, row.start_step, row.final_step) == (
         "succeeded",
@@ -486,7 +482,7 @@ async def test_a_batch_claim_looks_past_a_page_of_one_models_jobs(env: Env) -> N
     await env.model("b")
     a_jobs = [await env.job("a") for _ in range(8)]
     b1 = await env.job("b")
-    claims = await queue.claim(env.engine, owner="test", lease_seconds=30, limit=2)
+    claims = await env.store.claim(owner="test", lease_seconds=30, limit=2)
     assert [c.lease.job_id for c in claims] == [a_jobs[0], b1]
 
 
@@ -530,16 +526,62 @@ async def test_a_final_write_waits_out_a_database_that_is_away(env: Env) -> None
     lock = sqlite3.connect(env.engine.url.database, isolation_level=None)
     try:
         lock.execute("BEGIN EXCLUSIVE")
-        write = asyncio.create_task(
-            queue.finish(
-                engine, claim.lease, status=JobStatus.succeeded, event="training_ended", data={}
-            )
-        )
+        write = asyncio.create_task(store_for(engine).apply(claim.lease, Succeeded({})))
         await asyncio.sleep(0.5)  # the database stays away for a while
         assert not write.done()
         lock.execute("COMMIT")
-        assert await write is True
+        assert await write is JobStatus.succeeded
         assert (await env.row(job_id)).status == "succeeded"
     finally:
         lock.close()
         await engine.dispose()
+
+
+async def test_a_rollout_whose_worker_died_is_settled_by_rollout_rules(env: Env) -> None:
+    from app.backends.base import ModelSpec
+    from app.db import write_connection
+    from app.jobs.lifecycle import JobKind
+    from app.jobs.store import enqueue, new_job
+    from app.jobs.supervise import started_event
+    from app.rollouts import spec as rollout_spec
+    from app.schemas.rollouts import RolloutJobCreate
+
+    await env.model()
+    body = RolloutJobCreate.model_validate(
+        {
+            "model": "agent",
+            "examples": [{"id": 1, "messages": [{"role": "user", "content": "hi"}]}],
+            "grader": {"type": "regex", "pattern": "h"},
+        }
+    )
+    job = new_job(
+        JobKind.rollout,
+        model="agent",
+        payload=rollout_spec.encode(rollout_spec.RolloutSpec.of(body)),
+        summary={},
+        request_hash="r",
+        max_attempts=2,
+    )
+    async with write_connection(env.engine) as conn:
+        await enqueue(conn, job)
+    adapter = env.worker.backends.get("dry-run")
+    spec = ModelSpec("agent", "tests", "tiny/base", {})
+    for expected in (JobStatus.queued, JobStatus.failed):
+        claim = await env.claim()
+        assert claim is not None and claim.lease.kind is JobKind.rollout
+        step = await adapter.get_step(spec)
+        started = started_event(claim.lease, step, {})
+        assert await env.store.record_start(claim.lease, start_step=step, event=started)
+        # The model moved on meanwhile: a training job would count that step as its own;
+        # a rollout trains nothing, so it is retried, then failed.
+        await adapter.train(spec, [], {})
+        await env.expire(job.id)
+        assert await env.worker.recover_expired() == {job.id: expected}
+        await env.make_eligible(job.id)
+    row = await env.row(job.id)
+    assert (row.status, row.recovered, row.final_step) == ("failed", False, None)
+    assert row.error["type"] == "LeaseExpired"
+    types = await env.events(job.id)
+    assert types[-1] == "rollout_failed" and "job_retrying" in types
+    assert types.count("rollout_started") == 2
+    assert not [t for t in types if t.startswith("training_")]

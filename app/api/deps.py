@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 from collections.abc import AsyncIterator
 from typing import Annotated
 
-from fastapi import Depends, HTTPException, Path, Query, Request, Security
+from fastapi import Depends, Header, HTTPException, Path, Query, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from app.edge import UNAUTHORIZED_DETAIL, key_matches
 from app.schemas.common import NO_NUL
 
 log = logging.getLogger(__name__)
@@ -42,18 +42,12 @@ async def require_api_key(
     request: Request,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Security(bearer)],
 ) -> None:
+    """Documents the bearer scheme on every protected operation, and checks the key again.
+    The check that counts runs earlier, in `app.edge.ApiKeys`, before the body is read."""
     keys = request.app.state.settings.api_keys
-    if not keys:
-        return
-    given = credentials.credentials.encode() if credentials else b""
-    matched = False
-    for key in keys:  # compare with every key, so timing says nothing about which matched
-        matched |= hmac.compare_digest(given, key.get_secret_value().encode())
-    if not matched:
+    if keys and not key_matches(keys, credentials.credentials if credentials else None):
         raise HTTPException(
-            status_code=401,
-            detail="Missing or invalid API key: send `Authorization: Bearer <key>`",
-            headers={"WWW-Authenticate": "Bearer"},
+            status_code=401, detail=UNAUTHORIZED_DETAIL, headers={"WWW-Authenticate": "Bearer"}
         )
 
 
@@ -66,3 +60,14 @@ Cursor = Annotated[
     str | None, Query(pattern=NO_NUL, description="`next_cursor` of the previous page")
 ]
 ModelFilter = Annotated[str | None, Query(pattern=NO_NUL, description="Only jobs of this model.")]
+
+
+IdempotencyKey = Annotated[
+    str | None,
+    Header(
+        alias="Idempotency-Key",
+        min_length=1,
+        max_length=255,
+        description="Retrying with the same key and body returns the original job.",
+    ),
+]

@@ -8,10 +8,12 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
-from sqlalchemy import text
+from sqlalchemy import select
 
+from app.backends import SPECS
 from app.errors import PROBLEM_JSON
 from app.migrate import current_revision, head_revision
+from app.models import ModelRow
 from app.schemas.common import problem_responses
 
 router = APIRouter(tags=["health"])
@@ -40,9 +42,8 @@ async def healthz() -> Liveness:
 
 async def _database(request: Request) -> Check:
     async with request.app.state.engine.connect() as conn:
-        await conn.execute(text("SELECT 1"))
-        current = await current_revision(conn)
-    head = head_revision()
+        current = await current_revision(conn)  # one query: reachable, and at which revision
+    head = head_revision()  # read once per process
     if current != head:
         return Check(ok=False, detail=f"schema at {current}, code expects {head}")
     return Check(ok=True, detail=f"reachable, schema at head {head}")
@@ -73,6 +74,34 @@ async def _backends(request: Request) -> Check:
     return Check(ok=True, detail="all backends in use are reachable")
 
 
+async def _models(request: Request) -> Check:
+    """Every model this process is meant to serve has been served (a restarted process is
+    not ready before its endpoints are up), and every endpoint answers. A model that cannot
+    be served (its backend or base model is broken) is named but does not hold readiness:
+    one bad registration must not take the whole service out of rotation."""
+    worker = request.app.state.worker
+    if worker is None:
+        return Check(ok=True, detail="no worker here: worker processes serve the models")
+    serving = [name for name, spec in SPECS.items() if spec.serves]
+    async with request.app.state.sessions() as session:
+        expected = set(
+            await session.scalars(select(ModelRow.name).where(ModelRow.backend.in_(serving)))
+        )
+    missing = sorted(expected - set(worker.serving) - set(worker.not_served))
+    if missing:
+        return Check(ok=False, detail="not served yet: " + ", ".join(missing[:10]))
+    client = request.app.state.gateway.client
+    served = expected & set(worker.serving)
+    for url in {worker.serving[name] for name in served}:
+        if url:  # any answer will do: the endpoint is up
+            await client.get(f"{url.rstrip('/')}/models", timeout=2.0)
+    detail = f"{len(served)} model(s) served and answering"
+    broken = sorted(expected & set(worker.not_served))
+    if broken:
+        detail += "; cannot serve: " + ", ".join(broken[:10])
+    return Check(ok=True, detail=detail)
+
+
 async def _run(check: Any, request: Request) -> Check:
     try:
         return await asyncio.wait_for(check(request), CHECK_TIMEOUT)
@@ -85,12 +114,13 @@ async def _run(check: Any, request: Request) -> Check:
 @router.get(
     "/readyz",
     response_model=Readiness,
-    summary="Readiness: database, migrations, worker, trainer backends",
+    summary="Readiness: database, migrations, worker, trainer backends, served models",
     responses=problem_responses(503),
 )
 async def readyz(request: Request) -> Any:
-    names = ("database", "worker", "backends")
-    results = await asyncio.gather(*(_run(c, request) for c in (_database, _worker, _backends)))
+    names = ("database", "worker", "backends", "models")
+    checks_run = (_database, _worker, _backends, _models)
+    results = await asyncio.gather(*(_run(c, request) for c in checks_run))
     checks = dict(zip(names, results, strict=True))
     if all(c.ok for c in checks.values()):
         return Readiness(status="ready", checks=checks)

@@ -18,11 +18,12 @@ from pydantic import WithJsonSchema
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app.api.deps import JobId, Session
-from app.models import JobKind, JobRow, JobStatus
+from app.jobs import events as event_service
+from app.jobs.lifecycle import JobKind, JobStatus
+from app.jobs.service import get_job
+from app.models import JobRow
 from app.schemas.common import Page, problem_responses
 from app.schemas.jobs import JobEvent
-from app.services import events as event_service
-from app.services.jobs import get_job
 
 MAX_SEQ = 2**31 - 1  # event seqs are 32-bit integers in the database
 STREAM_SECONDS = 300.0  # a stream ends after this; EventSource clients resume by Last-Event-ID

@@ -7,11 +7,15 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Path, Query, Request, Response
 from pydantic import BaseModel, Field
 
+from app.api.body import Reading, json_body, read_json
 from app.api.deps import Cursor, Session
 from app.backends import SPECS
+from app.gateway import PREFIX as GATEWAY_PREFIX
 from app.schemas.common import NO_NUL, Page, problem_responses
 from app.schemas.models import Model, ModelCreate
 from app.services import models as service
+
+READING = Reading(ModelCreate, lambda body, raw, settings: body)
 
 router = APIRouter(prefix="/v1/models", tags=["models"], responses=problem_responses(401))
 backends_router = APIRouter(
@@ -28,17 +32,20 @@ backends_router = APIRouter(
         200: {"model": Model, "description": "An identical model already exists"},
         **problem_responses(409, 422),
     },
+    openapi_extra=json_body(ModelCreate),
 )
-async def create(
-    body: ModelCreate, request: Request, session: Session, response: Response
-) -> Model:
-    model, created = await service.create_model(session, body=body)
+async def create(request: Request, session: Session, response: Response) -> Model:
+    model, created = await service.create_model(
+        session,
+        body=await read_json(request, READING),
+        model_roots=request.app.state.settings.allowed_model_roots(),
+    )
     await session.commit()
     if created:
         request.app.state.notifier.models_changed()
     response.status_code = 201 if created else 200
     response.headers["Location"] = f"/v1/models/{model.name}"
-    return model
+    return _with_gateway(model, request)
 
 
 @router.get(
@@ -49,21 +56,34 @@ async def create(
     responses=problem_responses(422),
 )
 async def list_all(
+    request: Request,
     session: Session,
     after: Cursor = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
 ) -> Page[Model]:
     models, has_more = await service.list_models(session, after=after, limit=limit)
     return Page(
-        data=models, has_more=has_more, next_cursor=models[-1].name if has_more and models else None
+        data=[_with_gateway(m, request) for m in models],
+        has_more=has_more,
+        next_cursor=models[-1].name if has_more and models else None,
     )
 
 
 @router.get(
     "/{name}", response_model=Model, summary="Get a model", responses=problem_responses(404)
 )
-async def get(name: Annotated[str, Path(pattern=NO_NUL)], session: Session) -> Model:
-    return await service.get_model(session, name=name)
+async def get(
+    name: Annotated[str, Path(pattern=NO_NUL)], request: Request, session: Session
+) -> Model:
+    return _with_gateway(await service.get_model(session, name=name), request)
+
+
+def _with_gateway(model: Model, request: Request) -> Model:
+    """The gateway's base URL, under the API's public URL (or this request's)."""
+    if not model.openai_model_names:
+        return model
+    public = request.app.state.settings.public_url or str(request.base_url)
+    return model.model_copy(update={"openai_base_url": public.rstrip("/") + GATEWAY_PREFIX})
 
 
 class Backend(BaseModel):

@@ -6,19 +6,22 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
 
-from app.api.deps import Cursor, JobId, ModelFilter, Session
+from app.api.body import Reading, json_body, read_json
+from app.api.deps import Cursor, IdempotencyKey, JobId, ModelFilter, Session
 from app.api.job_events import add_event_routes
-from app.models import JobKind, JobStatus
+from app.egress import EgressPolicy
+from app.jobs import service as jobs_service
+from app.jobs.lifecycle import JobKind, JobStatus
+from app.rollouts import service
 from app.schemas.common import Page, problem_responses
-from app.schemas.rollouts import RolloutJob, RolloutJobCreate
+from app.schemas.rollouts import ROLLOUT_PIECES, RolloutJob, RolloutJobCreate
 from app.schemas.trajectories import TrajectoryCollection
-from app.services import jobs as jobs_service
-from app.services import rollouts as service
 
 router = APIRouter(
     prefix="/v1/rollout-jobs", tags=["rollout_jobs"], responses=problem_responses(401)
 )
 ROLLOUT = JobKind.rollout
+READING = Reading(RolloutJobCreate, service.prepare, ROLLOUT_PIECES, service.limits)
 
 
 @router.post(
@@ -26,19 +29,28 @@ ROLLOUT = JobKind.rollout
     response_model=RolloutJob,
     status_code=202,
     summary="Sample, grade and group answers for examples (and optionally train on them)",
-    responses=problem_responses(413, 422),
+    responses=problem_responses(409, 413, 422),
+    openapi_extra=json_body(RolloutJobCreate),
 )
 async def create(
-    body: RolloutJobCreate, request: Request, response: Response, session: Session
+    request: Request,
+    response: Response,
+    session: Session,
+    idempotency_key: IdempotencyKey = None,
 ) -> RolloutJob:
-    job = await service.create_rollout_job(
+    settings = request.app.state.settings
+    job, replayed = await service.create_rollout_job(
         session,
-        body=body,
-        raw=await request.body(),
-        max_attempts=request.app.state.settings.max_attempts,
+        job=await read_json(request, READING),
+        max_attempts=settings.max_attempts,
+        idempotency_key=idempotency_key,
+        egress=EgressPolicy.from_settings(settings),
     )
     await session.commit()
-    request.app.state.notifier.jobs_changed()
+    if replayed:
+        response.headers["Idempotent-Replayed"] = "true"
+    else:
+        request.app.state.notifier.jobs_changed()
     response.headers["Location"] = f"/v1/rollout-jobs/{job.id}"
     return service.to_wire(job)
 
@@ -48,9 +60,11 @@ async def create(
     name="list",
     response_model=Page[RolloutJob],
     summary="List rollout jobs, newest first",
+    description=jobs_service.METADATA_FILTER_DOC,
     responses=problem_responses(422),
 )
 async def list_all(
+    request: Request,
     session: Session,
     status: Annotated[JobStatus | None, Query(description="Only jobs in this status.")] = None,
     model: ModelFilter = None,
@@ -58,7 +72,13 @@ async def list_all(
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
 ) -> Page[RolloutJob]:
     jobs, has_more = await jobs_service.list_jobs(
-        session, status=status, model=model, after=after, limit=limit, kind=ROLLOUT
+        session,
+        kind=ROLLOUT,
+        status=status,
+        model=model,
+        after=after,
+        limit=limit,
+        metadata=jobs_service.metadata_filters(request.query_params.multi_items()),
     )
     return jobs_service.page_of(jobs, has_more, service.to_wire)
 

@@ -4,28 +4,31 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Query, Request, Response
+from fastapi import APIRouter, Query, Request, Response
 
-from app.api.deps import Cursor, JobId, ModelFilter, Session
+from app.api.body import Reading, json_body, read_json
+from app.api.deps import Cursor, IdempotencyKey, JobId, ModelFilter, Session
 from app.api.job_events import add_event_routes
-from app.models import JobKind, JobStatus
+from app.jobs import service as jobs
+from app.jobs.lifecycle import JobKind, JobStatus
 from app.schemas.common import Page, problem_responses
-from app.schemas.jobs import TrainingJob, TrainingJobCreate
-from app.services import jobs as service
+from app.schemas.jobs import (
+    TRAINING_PIECES,
+    TrainingJob,
+    TrainingJobCreate,
+    TrainingTrajectories,
+    TrajectoryShape,
+)
+from app.schemas.trajectories import TrajectoryCollection
+from app.training import service
 
 router = APIRouter(
     prefix="/v1/training-jobs", tags=["training_jobs"], responses=problem_responses(401)
 )
 
 
-IdempotencyKey = Annotated[
-    str | None,
-    Header(
-        alias="Idempotency-Key",
-        max_length=255,
-        description="Retrying with the same key and body returns the original job.",
-    ),
-]
+TRAINING = JobKind.training
+READING = Reading(TrainingJobCreate, service.prepare, TRAINING_PIECES, service.limits)
 
 
 @router.post(
@@ -34,9 +37,9 @@ IdempotencyKey = Annotated[
     status_code=202,
     summary="Submit trajectories for one training step",
     responses=problem_responses(404, 409, 413, 422),
+    openapi_extra=json_body(TrainingJobCreate),
 )
 async def create(
-    body: TrainingJobCreate,
     request: Request,
     response: Response,
     session: Session,
@@ -44,8 +47,7 @@ async def create(
 ) -> TrainingJob:
     job, replayed = await service.create_training_job(
         session,
-        body=body,
-        raw=await request.body(),
+        job=await read_json(request, READING),
         idempotency_key=idempotency_key,
         max_attempts=request.app.state.settings.max_attempts,
     )
@@ -64,19 +66,27 @@ async def create(
     response_model=Page[TrainingJob],
     name="list",
     summary="List training jobs, newest first",
+    description=jobs.METADATA_FILTER_DOC,
     responses=problem_responses(422),
 )
 async def list_all(
+    request: Request,
     session: Session,
     status: Annotated[JobStatus | None, Query(description="Only jobs in this status.")] = None,
     model: ModelFilter = None,
     after: Cursor = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
 ) -> Page[TrainingJob]:
-    jobs, has_more = await service.list_jobs(
-        session, status=status, model=model, after=after, limit=limit
+    rows, has_more = await jobs.list_jobs(
+        session,
+        kind=TRAINING,
+        status=status,
+        model=model,
+        after=after,
+        limit=limit,
+        metadata=jobs.metadata_filters(request.query_params.multi_items()),
     )
-    return service.page_of(jobs, has_more, service.to_wire)
+    return jobs.page_of(rows, has_more, service.to_wire)
 
 
 @router.get(
@@ -86,7 +96,7 @@ async def list_all(
     responses=problem_responses(404),
 )
 async def get(job_id: JobId, session: Session) -> TrainingJob:
-    return service.to_wire(await service.get_job(session, job_id))
+    return service.to_wire(await jobs.get_job(session, job_id, kind=TRAINING))
 
 
 @router.post(
@@ -96,10 +106,27 @@ async def get(job_id: JobId, session: Session) -> TrainingJob:
     responses=problem_responses(404, 409),
 )
 async def cancel(job_id: JobId, request: Request, session: Session) -> TrainingJob:
-    job = await service.cancel_job(session, job_id)
+    job = await jobs.cancel_job(session, job_id, kind=TRAINING)
     await session.commit()
     request.app.state.notifier.events_appended(job.id)
     return service.to_wire(job)
 
 
-add_event_routes(router, JobKind.training)
+@router.get(
+    "/{job_id}/trajectories",
+    response_model=TrainingTrajectories | TrajectoryCollection,
+    summary="The trajectories a training job was given",
+    description="As stored: ART-style groups (a NAT collection was converted on arrival). "
+    "`shape=nat` returns them as a NeMo Agent Toolkit `TrajectoryCollection` whose "
+    "`run_id` is the job's id.",
+    responses=problem_responses(404, 422),
+)
+async def trajectories(
+    job_id: JobId,
+    session: Session,
+    shape: Annotated[TrajectoryShape, Query(description="`art` or `nat`.")] = "art",
+) -> TrainingTrajectories | TrajectoryCollection:
+    return await service.trajectories(session, job_id, shape=shape)
+
+
+add_event_routes(router, TRAINING)

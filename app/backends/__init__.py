@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import art
 from pydantic import BaseModel, ValidationError
 
 from app.backends import art_backends
@@ -15,6 +14,9 @@ from app.backends.cpu import CpuBackend, CpuConfig, CpuHyperparameters
 from app.backends.dry_run import DryRunBackend, DryRunConfig
 from app.backends.hyperparameters import ArtLocalHyperparameters, ArtServerlessHyperparameters
 from app.settings import Settings
+
+if TYPE_CHECKING:
+    import art
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,8 @@ class BackendSpec:
 
 
 def _model_with_config(spec: ModelSpec, config: BaseModel) -> art.TrainableModel:
+    import art
+
     return art.TrainableModel(
         name=spec.name, project=spec.project, base_model=spec.base_model, config=config
     )
@@ -54,6 +58,7 @@ SPECS: dict[str, BackendSpec] = {
         config=CpuConfig,
         create=lambda settings: CpuBackend(
             settings.data_dir / "cpu",
+            model_roots=settings.allowed_model_roots(),
             host=settings.cpu_inference_host,
             port=settings.cpu_inference_port,
         ),
@@ -122,3 +127,15 @@ class Backends:
 
 
 __all__ = ["SPECS", "BackendError", "BackendSpec", "Backends", "ModelSpec", "ValidationError"]
+
+
+def load_training_stack() -> None:
+    """Import what a worker's first job would (ART, its types, OpenAI's types; torch where
+    the cpu extra is installed). A worker calls it in a thread before it claims anything."""
+    import importlib
+
+    for module in ("art", "art.types", "openai.types.chat", "app.backends.cpu_policy"):
+        try:
+            importlib.import_module(module)
+        except ImportError:  # e.g. torch without the cpu extra: that backend reports it
+            continue

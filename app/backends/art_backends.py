@@ -9,12 +9,14 @@ from __future__ import annotations
 import importlib.util
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import art
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from app.backends.base import BackendError, ModelSpec
+
+if TYPE_CHECKING:
+    import art
 
 GPU_HINT = (
     "art-local runs ART's LocalBackend: it needs a CUDA GPU and the gpu extra "
@@ -29,8 +31,13 @@ class ArtLocalConfig(BaseModel):
 
     @model_validator(mode="after")
     def _known_keys(self) -> ArtLocalConfig:
-        known = set(art.dev.InternalModelConfig.__annotations__)
-        unknown = set(self.model_extra or {}) - known
+        if not self.model_extra:
+            return self
+        # Only a config with keys needs ART's list of them (importing ART takes seconds).
+        from art.dev import InternalModelConfig
+
+        known = set(InternalModelConfig.__annotations__)
+        unknown = set(self.model_extra) - known
         if unknown:
             raise ValueError(
                 f"unknown keys {sorted(unknown)}; ART's InternalModelConfig has {sorted(known)}"
@@ -57,6 +64,8 @@ def create_local(data_dir: Path) -> Any:
 
 
 def local_model(spec: ModelSpec, config: BaseModel) -> art.TrainableModel:
+    import art
+
     internal = config.model_dump(exclude_unset=True) or None
     return art.TrainableModel(
         name=spec.name,
@@ -76,8 +85,12 @@ def create_serverless(_data_dir: Path) -> Any:
         raise BackendError(
             "art-serverless needs the wandb package: pip install wandb", transient=False
         )
+    import art
+
     return art.ServerlessBackend()
 
 
 def serverless_model(spec: ModelSpec, _config: BaseModel) -> art.TrainableModel:
+    import art
+
     return art.TrainableModel(name=spec.name, project=spec.project, base_model=spec.base_model)

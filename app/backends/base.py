@@ -9,11 +9,16 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import art
 import httpx
 from pydantic import BaseModel
+
+from app.backends.checkpoints import CheckpointDirs
+
+if TYPE_CHECKING:
+    import art
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +186,42 @@ class TrainerAdapter:
             checkpoint_path=getattr(result, "checkpoint_path", None),
             trained=metrics.get(TOTAL_KEY, 1) != 0,
         )
+
+    def _unregistered(self, spec: ModelSpec) -> art.TrainableModel:
+        """The model object, registered if this process has done so; else a fresh one
+        (what checkpoint paths need: its name and project; nothing is loaded)."""
+        model = self._models.get(spec.name)
+        if model is not None:
+            return model
+        try:
+            return self._model_factory(spec)
+        except Exception as exc:
+            raise classify(exc) from exc
+
+    def checkpoints_dir(self, spec: ModelSpec) -> Path | None:
+        """Where the backend keeps the model's checkpoints on this machine (one `{step:04d}`
+        directory per step), or None when it keeps none here (art-serverless)."""
+        if isinstance(self.backend, CheckpointDirs):  # dry-run, cpu: no ART object needed
+            return self.backend.checkpoints_dir(spec)
+        art_path = getattr(self.backend, "_path", None)
+        if isinstance(art_path, str):  # ART's LocalBackend
+            from art.utils.output_dirs import get_model_dir
+
+            model = self._unregistered(spec)
+            return Path(get_model_dir(model=model, art_path=art_path)) / "checkpoints"
+        return None
+
+    async def delete_checkpoints(self, spec: ModelSpec, steps_to_keep: list[int]) -> None:
+        """Delete every checkpoint of the model but `steps_to_keep`, through the backend
+        (`art.Backend._delete_checkpoint_files`)."""
+        backend = self.backend
+        try:
+            if isinstance(backend, CheckpointDirs):  # dry-run, cpu: no ART object needed
+                await backend._delete_checkpoint_files(spec, steps_to_keep)
+            else:
+                await backend._delete_checkpoint_files(self._unregistered(spec), steps_to_keep)
+        except Exception as exc:
+            raise classify(exc) from exc
 
     async def health(self) -> None:
         """Raise if the backend is unreachable; backends may offer an async `healthcheck()`."""

@@ -1,23 +1,43 @@
 """Checkpoint directories laid out like ART's LocalBackend's, shared by our own backends:
-`{path}/{project}/models/{name}/checkpoints/{step:04d}/`; the step is the newest one."""
+`{path}/{project}/models/{name}/checkpoints/{step:04d}/`; the step is the newest one.
+
+A model's name and project say where its checkpoints are, so they are found and deleted
+from an `art.Model` or from a `ModelSpec` alike: an API process lists and deletes them
+without importing ART."""
 
 from __future__ import annotations
 
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
-import art
+if TYPE_CHECKING:
+    import art
+
+
+class Named(Protocol):
+    """What a checkpoint's place needs of a model (`art.Model` and `ModelSpec` have it)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def project(self) -> str: ...
 
 
 class CheckpointDirs:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
 
-    def _dir(self, model: art.Model) -> Path:
+    def _dir(self, model: Named) -> Path:
         return self.path / model.project / "models" / model.name / "checkpoints"
 
-    def step_on_disk(self, model: art.Model) -> int:
+    def checkpoints_dir(self, model: Named) -> Path:
+        """Where the model's checkpoints live: one `{step:04d}` directory per step."""
+        return self._dir(model)
+
+    def step_on_disk(self, model: Named) -> int:
         # scandir, not Path.glob: read before and after every step, and glob builds a
         # Path and matches a pattern per entry (~3x slower on 50 checkpoints).
         try:
@@ -32,9 +52,14 @@ class CheckpointDirs:
     async def _get_step(self, model: art.TrainableModel) -> int:
         return self.step_on_disk(model)
 
-    async def _delete_checkpoint_files(
-        self, model: art.TrainableModel, steps_to_keep: list[int]
-    ) -> None:
+    async def _delete_checkpoint_files(self, model: Named, steps_to_keep: list[int]) -> None:
+        """Delete every checkpoint not in `steps_to_keep`, except those newer than all of
+        them: a step newer than every kept one is being written right now (a job trains
+        while the caller decided), and is never deleted."""
+        newest_kept = max(steps_to_keep, default=-1)
         for path in self._dir(model).glob("[0-9]*"):
-            if path.name.isdigit() and int(path.name) not in steps_to_keep:
+            if not path.name.isdigit():
+                continue
+            step = int(path.name)
+            if step not in steps_to_keep and step < newest_kept:
                 shutil.rmtree(path, ignore_errors=True)

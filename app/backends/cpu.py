@@ -11,15 +11,17 @@ models: tests, the quick start, and laptops without a GPU.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import art
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.backends.base import TOTAL_KEY, report_gradient_step
 from app.backends.checkpoints import CheckpointDirs
+
+if TYPE_CHECKING:
+    import art
 
 
 class CpuConfig(BaseModel):
@@ -47,12 +49,43 @@ class CpuHyperparameters(BaseModel):
     )
 
 
-class CpuBackend(CheckpointDirs):
-    """Satisfies `art.Backend` structurally; one policy (and one adapter) per model."""
+def base_model_refusal(base: str, roots: Sequence[Path]) -> str | None:
+    """Why the cpu backend may not load `base` (None: it may). It may load directories under
+    `roots` only, after symlinks are resolved. Whether a path outside them exists is never
+    looked up, so the answer says nothing about the rest of the filesystem."""
+    allowed = ", ".join(str(root) for root in roots)
+    refusal = f"must be a directory under one of the model roots: {allowed}"
+    path = Path(base)
+    if not path.is_absolute() or ".." in path.parts:
+        return f"must be an absolute path without `..`, under one of the model roots: {allowed}"
+    try:
+        resolved_roots = [root.resolve() for root in roots]
+        # By its text first: nothing outside the roots is looked up ...
+        if not any(path.is_relative_to(r) for r in (*roots, *resolved_roots)):
+            return refusal
+        # ... then where its symlinks lead, which must stay inside too.
+        if not any(path.resolve().is_relative_to(r) for r in resolved_roots):
+            return refusal
+    except (OSError, ValueError, RuntimeError):  # a NUL, a symlink loop
+        return refusal
+    return None
 
-    def __init__(self, path: Path, *, host: str = "127.0.0.1", port: int = 0) -> None:
+
+class CpuBackend(CheckpointDirs):
+    """Satisfies `art.Backend` structurally; one policy (and one adapter) per model.
+    `model_roots`: the directories it may load base models from."""
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        model_roots: Sequence[Path],
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ) -> None:
         super().__init__(path)
         self.host, self.port = host, port
+        self.model_roots = list(model_roots)
         self._policies: dict[str, Any] = {}
         self._server: Any = None
 
@@ -81,6 +114,9 @@ class CpuBackend(CheckpointDirs):
 
         config = model.config if isinstance(model.config, CpuConfig) else CpuConfig()
         base = getattr(model, "base_model", "")
+        refusal = base_model_refusal(base, self.model_roots)
+        if refusal is not None:  # registered before the roots were checked, or moved since
+            raise ValueError(f"the cpu backend will not load base_model {base!r}: it {refusal}")
         if not Path(base).is_dir():
             raise ValueError(
                 f"the cpu backend loads models from local directories; {base!r} is not one "
@@ -90,6 +126,11 @@ class CpuBackend(CheckpointDirs):
         if not self.sync(model, policy):
             policy.save(self._dir(model) / "0000", 0)
         self._policies[model.name] = (model, policy)
+
+    def checkpoint(self, model: art.Model, step: int) -> Path | None:
+        """The directory of `step`'s adapter, if it is on disk."""
+        path = self._dir(model) / f"{step:04d}"
+        return path if (path / "adapter_model.safetensors").exists() else None
 
     def sync(self, model: art.Model, policy: Any) -> bool:
         """Load the newest checkpoint on disk if the adapter in memory is older (another
@@ -164,7 +205,9 @@ class CpuBackend(CheckpointDirs):
         averaged = (
             {k: sum(s[k] for s in samples) / len(samples) for k in samples[0]} if samples else {}
         )
-        return art.types.LocalTrainResult(
+        from art.types import LocalTrainResult
+
+        return LocalTrainResult(
             step=step, metrics={**summary, **averaged}, checkpoint_path=str(checkpoint)
         )
 

@@ -27,6 +27,11 @@ transformers_logging.disable_progress_bar()
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
+# Message keys a chat template needs to render tool use: an assistant turn's calls, and a
+# tool result's call id and name.
+_TOOL_KEYS = ("tool_calls", "tool_call_id", "name")
+
+
 @dataclass
 class Sample:
     token_ids: list[int]
@@ -80,12 +85,28 @@ class Policy:
 
     # -- sampling -------------------------------------------------------------------------
 
-    def encode_prompt(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+    def render_prompt(
+        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+    ) -> str:
+        """The chat template's text for `messages` (with their tool calls and results) and
+        the `tools` offered, ready for the assistant's turn."""
+        turns = [
+            {
+                "role": m.get("role", "user"),
+                "content": m.get("content") or "",
+                **{k: m[k] for k in _TOOL_KEYS if m.get(k) is not None},
+            }
+            for m in messages
+        ]
         text = self.tokenizer.apply_chat_template(
-            [{"role": m.get("role", "user"), "content": m.get("content") or ""} for m in messages],
-            add_generation_prompt=True,
-            tokenize=False,
+            turns, tools=list(tools) if tools else None, add_generation_prompt=True, tokenize=False
         )
+        return str(text)
+
+    def encode_prompt(
+        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+    ) -> list[int]:
+        text = self.render_prompt(messages, tools)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def token_text(self, token_id: int) -> str:
@@ -163,6 +184,8 @@ class Policy:
         return batches
 
     def _turns(self, trajectory: Any, advantage: float, allow_without_logprobs: bool) -> list[Turn]:
+        # The prompt each turn was sampled from: its context and the tools offered.
+        tools = getattr(trajectory, "tools", None)
         context: list[dict[str, Any]] = []
         turns = []
         for item in trajectory.messages_and_choices:
@@ -171,19 +194,27 @@ class Policy:
                 if item.logprobs and item.logprobs.content:
                     ids = [self._token_id(t.token) for t in item.logprobs.content]
                     old = [t.logprob for t in item.logprobs.content]
-                    turns.append(Turn(self.encode_prompt(context), ids, old, advantage))
+                    turns.append(Turn(self.encode_prompt(context, tools), ids, old, advantage))
                 elif allow_without_logprobs:
-                    turns.append(self._retokenized(context, content, advantage))
-                context.append({"role": "assistant", "content": content})
+                    turns.append(self._retokenized(context, content, advantage, tools))
+                calls = [c.model_dump() for c in item.message.tool_calls or []]
+                context.append({"role": "assistant", "content": content, "tool_calls": calls})
             else:
                 if item.get("role") == "assistant" and allow_without_logprobs:
-                    turns.append(self._retokenized(context, item.get("content") or "", advantage))
+                    content = item.get("content") or ""
+                    turns.append(self._retokenized(context, content, advantage, tools))
                 context.append(dict(item))
         return turns
 
-    def _retokenized(self, context: list[dict[str, Any]], content: str, advantage: float) -> Turn:
+    def _retokenized(
+        self,
+        context: list[dict[str, Any]],
+        content: str,
+        advantage: float,
+        tools: Sequence[dict[str, Any]] | None,
+    ) -> Turn:
         ids = [*self.tokenizer(content, add_special_tokens=False)["input_ids"], self.eos_id]
-        return Turn(self.encode_prompt(context), ids, None, advantage)
+        return Turn(self.encode_prompt(context, tools), ids, None, advantage)
 
     def _token_id(self, token: str) -> int:
         if token.startswith("token_id:"):

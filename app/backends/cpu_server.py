@@ -1,6 +1,11 @@
 """The `cpu` backend's OpenAI-compatible endpoint: `/v1/models` and `/v1/chat/completions`
 with logprobs (tokens as `token_id:N`, as ART's vLLM returns them), for every registered
-model as `name@step` of its latest adapter.
+model as `name@step`: its latest adapter, or any past step whose checkpoint is on disk.
+
+Limits (each refused with a 400 in OpenAI's envelope naming the field): at most
+`MAX_TOKENS` tokens per answer, `MAX_N` answers per request, no streaming. `tools` go
+through the model's chat template; tool calls the model writes in the Hermes/Qwen
+`<tool_call>` convention come back as OpenAI `tool_calls` (`app.backends.tool_calls`).
 
 It runs in its own thread with its own event loop, so sampling never stalls the service.
 It binds loopback by default and checks no key (the key it hands out is a placeholder).
@@ -11,15 +16,23 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import uvicorn
 from fastapi import FastAPI, HTTPException
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from app.backends.tool_calls import parse_tool_calls
 
 if TYPE_CHECKING:
     from app.backends.cpu import CpuBackend
+
+
+MAX_TOKENS = 1024
+MAX_N = 64
 
 
 class ChatRequest(BaseModel):
@@ -29,9 +42,16 @@ class ChatRequest(BaseModel):
     messages: list[dict[str, Any]] = Field(min_length=1)
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
-    max_tokens: int | None = Field(default=None, ge=1, le=1024)
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=1024)
-    n: int = Field(default=1, ge=1, le=64)
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stream: bool = False
+    tools: list[dict[str, Any]] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto"] | None = Field(
+        default=None,
+        description="`auto` (default with tools) or `none`; the cpu backend cannot force a "
+        "call (`required` or a named function are refused).",
+    )
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     stop: str | list[str] | None = None
@@ -53,6 +73,14 @@ def create_inference_app(backend: CpuBackend) -> FastAPI:
     async def _http_error(_request: Any, exc: HTTPException) -> JSONResponse:
         return _error(exc.status_code, str(exc.detail), "error")
 
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_request: Any, exc: RequestValidationError) -> JSONResponse:
+        problems = [
+            f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}"
+            for e in exc.errors()
+        ]
+        return _error(400, "; ".join(problems), "invalid_request")
+
     @app.get("/v1/models")
     def models() -> dict[str, Any]:
         data = [
@@ -68,21 +96,33 @@ def create_inference_app(backend: CpuBackend) -> FastAPI:
 
     @app.post("/v1/chat/completions", response_model=None)
     def chat(request: ChatRequest) -> dict[str, Any] | JSONResponse:
+        if request.stream:
+            return _error(400, "The cpu backend does not stream: send `stream: false`.", "stream")
         name, _, step = request.model.partition("@")
         entry = backend.served.get(name)
-        if entry is None:
+        if entry is None or (step and not step.isdigit()):
             return _error(404, f"The model `{request.model}` does not exist.", "model_not_found")
         model, policy = entry
         with policy.lock:  # waits while a training step runs, like ART's shared GPU
             backend.sync(model, policy)
             latest = policy.loaded_step
-            if step and step != str(latest):
+            wanted = int(step) if step else latest
+            if wanted == latest:
+                return _complete(policy, request, f"{name}@{latest}")
+            checkpoint = backend.checkpoint(model, wanted)
+            if checkpoint is None:
                 return _error(
                     404,
-                    f"Only the latest step of `{name}` is served: `{name}@{latest}`.",
+                    f"The model `{request.model}` does not exist: no checkpoint of step "
+                    f"{wanted} (the latest is `{name}@{latest}`).",
                     "model_not_found",
                 )
-            return _complete(policy, request, f"{name}@{latest}")
+            # A past step: its adapter for this request, then the latest again.
+            policy.load(checkpoint, wanted)
+            try:
+                return _complete(policy, request, f"{name}@{wanted}")
+            finally:
+                backend.sync(model, policy)
 
     return app
 
@@ -95,7 +135,8 @@ def _complete(policy: Any, request: ChatRequest, served_name: str) -> dict[str, 
         for s in stops
         for i in policy.tokenizer(s, add_special_tokens=False)["input_ids"][:1]
     }
-    prompt = policy.encode_prompt(request.messages)
+    tools = request.tools if request.tool_choice != "none" else None
+    prompt = policy.encode_prompt(request.messages, request.tools)
     samples = policy.sample(
         prompt,
         n=request.n,
@@ -109,13 +150,18 @@ def _complete(policy: Any, request: ChatRequest, served_name: str) -> dict[str, 
     choices = []
     for index, sample in enumerate(samples):
         text_ids = [t for t in sample.token_ids if t != policy.eos_id and t not in stop_ids]
+        text = policy.tokenizer.decode(text_ids, skip_special_tokens=True)
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        finish_reason = sample.finish_reason
+        if tools:
+            content, calls = parse_tool_calls(text)
+            if calls:
+                message = {"role": "assistant", "content": content, "tool_calls": calls}
+                finish_reason = "tool_calls"
         choice: dict[str, Any] = {
             "index": index,
-            "message": {
-                "role": "assistant",
-                "content": policy.tokenizer.decode(text_ids, skip_special_tokens=True),
-            },
-            "finish_reason": sample.finish_reason,
+            "message": message,
+            "finish_reason": finish_reason,
             "logprobs": None,
         }
         if request.logprobs:
@@ -155,12 +201,30 @@ def _token(policy: Any, token_id: int, logprob: float) -> dict[str, Any]:
     }
 
 
+class _Protocol(HttpToolsProtocol):
+    """uvicorn's protocol without access lines: the access logger is the API server's too."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.access_log = False
+
+
 class InferenceServer:
-    """uvicorn in a daemon thread; `start` returns once it listens."""
+    """uvicorn in a daemon thread; `start` returns once it listens.
+
+    It leaves logging alone: uvicorn's loggers are process-wide, and a `log_level` or
+    `log_config` here would reset those of the API's own server (whose access log would go
+    silent once a model is served)."""
 
     def __init__(self, backend: CpuBackend, *, host: str, port: int) -> None:
         config = uvicorn.Config(
-            create_inference_app(backend), host=host, port=port, log_level="warning", lifespan="off"
+            create_inference_app(backend),
+            host=host,
+            port=port,
+            http=_Protocol,
+            log_config=None,
+            log_level=None,
+            lifespan="off",
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="cpu-inference", daemon=True)

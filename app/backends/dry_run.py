@@ -11,14 +11,15 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import art
-from openai.types.chat.chat_completion import Choice
 from pydantic import BaseModel, Field
 
 from app.backends.base import TOTAL_KEY, report_gradient_step
 from app.backends.checkpoints import CheckpointDirs
+
+if TYPE_CHECKING:
+    import art
 
 
 class DryRunConfig(BaseModel):
@@ -45,6 +46,8 @@ def _trainable(group: art.TrajectoryGroup) -> bool:
 
 
 def _choice_tokens(trajectory: art.Trajectory) -> int:
+    from openai.types.chat.chat_completion import Choice
+
     tokens = 0
     for item in trajectory.messages_and_choices:
         if isinstance(item, Choice) and item.logprobs and item.logprobs.content:
@@ -99,9 +102,9 @@ class DryRunBackend(CheckpointDirs):
         manifest = {"metrics": metrics, "hyperparameters": kwargs}
         (checkpoint / "manifest.json").write_text(json.dumps(manifest, sort_keys=True))
         await asyncio.sleep(config.seconds_after_step)
-        return art.types.LocalTrainResult(
-            step=step, metrics=metrics, checkpoint_path=str(checkpoint)
-        )
+        from art.types import LocalTrainResult
+
+        return LocalTrainResult(step=step, metrics=metrics, checkpoint_path=str(checkpoint))
 
     async def _train_sft(self, *args: Any, **kwargs: Any) -> AsyncIterator[dict[str, float]]:
         raise NotImplementedError("the dry-run backend does not do SFT")

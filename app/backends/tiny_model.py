@@ -87,10 +87,22 @@ SPECIAL = [
 PUNCTUATION = list(".,?!:;'\"()[]{}+-*/=0123456789")
 
 # Each message is a role marker, its words, and an end marker; generation starts after the
-# assistant marker and stops at <|end|> (the model's end-of-turn token).
+# assistant marker and stops at <|end|> (the model's end-of-turn token). Tools offered are
+# listed in a system turn first, and an assistant turn's tool calls follow its words, both
+# in the Hermes/Qwen convention (`<tools>` and `<tool_call>` blocks of JSON), which
+# `app.backends.tool_calls` parses back.
 CHAT_TEMPLATE = (
+    "{% if tools %}{{ '<|system|> ' }}"
+    "{% for tool in tools %}{{ '<tools> ' + (tool | tojson) + ' </tools> ' }}{% endfor %}"
+    "{{ '<|end|> ' }}{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|> ' + (message['content'] or '') + ' <|end|> ' }}"
+    "{{ '<|' + message['role'] + '|> ' + (message['content'] or '') }}"
+    "{% for call in message.get('tool_calls') or [] %}"
+    "{% set arguments = call['function']['arguments'] %}"
+    "{{ ' <tool_call> {\"name\": ' + (call['function']['name'] | tojson) + ', \"arguments\": ' }}"
+    "{{ (arguments if arguments is string else arguments | tojson) + '} </tool_call>' }}"
+    "{% endfor %}"
+    "{{ ' <|end|> ' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|> ' }}{% endif %}"
 )

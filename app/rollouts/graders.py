@@ -1,31 +1,55 @@
 """Graders that score one sampled answer, in the spirit of OpenAI's RFT graders.
 
 Each grader is a strict pydantic model (a member of the `Grader` union, told apart by
-`type`); `grade()` scores an answer with one. Local graders are pure and fast. The webhook
-grader asks a service of yours. `grade()` never raises for a grader's problem: a webhook
-that fails, or an example the grader cannot use, gives a `Grade` with `error` set and no
-reward, so one bad answer never sinks a rollout.
+`type`); `grade()` scores an answer with one. Local graders are pure and bounded: work
+linear in the answer (`regex` runs on RE2, a linear-time engine), answers over
+`MAX_GRADED_CHARS` are not graded, and long answers are graded off the event loop. The
+webhook grader asks a service of yours, through `app.egress` (its policy, a total deadline,
+a bounded answer). `grade()` never raises for a grader's problem: a webhook that fails, or
+an example the grader cannot use, gives a `Grade` with `error` set and no reward, so one
+bad answer never sinks a rollout. Errors say what went wrong (a status, a length), never
+what a remote service answered.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-import httpx
-from pydantic import BaseModel, ConfigDict, Field, HttpUrl, field_validator
+import re2
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, HttpUrl, field_validator
+
+from app.egress import EgressClient, EgressError, check_headers
 
 MAX_WEBHOOK_RESPONSE_BYTES = 1024 * 1024
-# How many `{` an answer's embedded-JSON search tries before giving up: bounds the work
-# on a long answer full of braces that never close.
+# Longest answer a grader reads: a longer one gets an error grade, not a reward.
+MAX_GRADED_CHARS = 1_000_000
+# Answers longer than this are graded in a thread, so the event loop keeps serving.
+THREAD_CHARS = 64 * 1024
+# How many `{` an answer's embedded-JSON search tries before giving up, and how many
+# characters all tries may read together: bounds the work on a long answer full of braces
+# that never close.
 MAX_JSON_CANDIDATES = 256
+MAX_JSON_SCAN_CHARS = 2 * MAX_GRADED_CHARS
+# Memory one compiled regex may use (RE2's own bound; a pattern that needs more is refused).
+REGEX_MAX_MEM = 8 << 20
+# RE2 is linear in the answer, times up to its program's size when its DFA gives up: the
+# largest program accepted, and the most (characters x instructions) one answer may cost
+# (about 1.5 s of a thread at worst; most patterns run far below it).
+MAX_REGEX_PROGRAM = 2000
+MAX_REGEX_WORK = 500_000_000
 
-_HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _LIST_INDEX = re.compile(r"-?[0-9]+")
+# Characters a number may be written with (see `_NUMBER`), and how far back from the last
+# digit `last_number` looks for where its number starts.
+_NUMBER_CHARS = "0123456789,.eE+-\u2212"
+NUMBER_WINDOW = 64 * 1024
+MAX_EXPECTED_NUMBER_CHARS = 1000
 # A number as models write it: optional sign (not a hyphen between two words or numbers),
 # thousands separators, decimals, scientific notation.
 _NUMBER = re.compile(
@@ -67,7 +91,11 @@ class RegexGrader(_Grader):
     type: Literal["regex"] = Field(description="Grader kind.")
     pattern: str = Field(
         max_length=1000,
-        description="A Python regular expression, searched for anywhere in the answer.",
+        description="A regular expression in RE2 syntax (https://github.com/google/re2/wiki/"
+        "Syntax), searched for anywhere in the answer. RE2 runs in time linear in the "
+        "answer; it has no backreferences or lookaround, and `\\d`, `\\w`, `\\b` are "
+        "ASCII-only. A pattern RE2 cannot compile, or that compiles to more than 2000 RE2 "
+        "instructions, is refused.",
         examples=[r"\bParis\b"],
     )
     ignore_case: bool = Field(default=False, description="Match case-insensitively.")
@@ -75,11 +103,32 @@ class RegexGrader(_Grader):
     @field_validator("pattern")
     @classmethod
     def _compiles(cls, pattern: str) -> str:
-        try:
-            re.compile(pattern)
-        except re.error as exc:
-            raise ValueError(f"invalid regular expression: {exc}") from None
+        for ignore_case in (False, True):
+            size = compile_regex(pattern, ignore_case).programsize
+            if size > MAX_REGEX_PROGRAM:
+                raise ValueError(
+                    f"the regular expression compiles to {size} RE2 instructions; at most "
+                    f"{MAX_REGEX_PROGRAM} are accepted"
+                )
         return pattern
+
+
+@functools.lru_cache(maxsize=256)
+def compile_regex(pattern: str, ignore_case: bool) -> Any:
+    """`pattern` compiled by RE2 (cached); ValueError with RE2's reason if it cannot be."""
+    options = re2.Options()
+    options.log_errors = False
+    options.case_sensitive = not ignore_case
+    options.max_mem = REGEX_MAX_MEM
+    try:
+        return re2.compile(pattern, options)
+    except re2.error as exc:
+        reason = exc.args[0] if exc.args else "no detail"
+        if isinstance(reason, bytes):
+            reason = reason.decode("utf-8", "replace")
+        if len(reason) > 200:
+            reason = reason[:197] + "..."
+        raise ValueError(f"invalid regular expression for RE2: {reason}") from None
 
 
 class NumericGrader(_Grader):
@@ -124,29 +173,41 @@ class JsonFieldGrader(_Grader):
         return path
 
 
+def no_credentials(url: HttpUrl) -> HttpUrl:
+    """Refuses a URL with user info: credentials go in `headers`, which no route shows."""
+    if url.username is not None or url.password is not None:
+        raise ValueError("the URL must not hold credentials; send them in `headers`")
+    return url
+
+
+def _sendable(headers: dict[str, str]) -> dict[str, str]:
+    check_headers(headers)
+    return headers
+
+
+# What every outbound call a job names takes (webhook graders, agents): a URL without
+# credentials, and headers a call can send.
+OutboundUrl = Annotated[HttpUrl, AfterValidator(no_credentials)]
+OutboundHeaders = Annotated[dict[str, str], AfterValidator(_sendable)]
+
+
 class WebhookGrader(_Grader):
     """Your service grades: Trainyard POSTs `{example, answer, generation}` as JSON and
     expects a 2xx JSON answer `{"reward": number, "reasoning": string | null}`."""
 
     type: Literal["webhook"] = Field(description="Grader kind.")
-    url: HttpUrl = Field(description="Where to POST each answer.")
+    url: OutboundUrl = Field(
+        description="Where to POST each answer. Subject to the egress policy "
+        "(`TRAINYARD_EGRESS_ALLOW`, `TRAINYARD_EGRESS_DENY`); redirects are not followed."
+    )
     timeout_s: float = Field(
         default=30, gt=0, le=600, description="Seconds one grading request may take in all."
     )
-    headers: dict[str, str] = Field(
+    headers: OutboundHeaders = Field(
         default_factory=dict,
-        description="Extra request headers, e.g. `Authorization`.",
+        description="Extra request headers, e.g. `Authorization`. Write-only: sent with "
+        "each request, never shown by any route.",
     )
-
-    @field_validator("headers")
-    @classmethod
-    def _valid_headers(cls, headers: dict[str, str]) -> dict[str, str]:
-        for name, value in headers.items():
-            if not _HEADER_NAME.fullmatch(name):
-                raise ValueError(f"{name!r} is not a valid header name")
-            if any(c in value for c in "\r\n\0"):
-                raise ValueError(f"the value of header {name!r} contains a line break or NUL")
-        return headers
 
 
 Grader = Annotated[
@@ -177,28 +238,57 @@ async def grade(
     example: dict[str, Any],
     answer: str,
     generation: int,
-    client: httpx.AsyncClient,
+    client: EgressClient,
 ) -> Grade:
     """Score `answer` to `example`. Never raises for the grader's own problems."""
+    if len(answer) > MAX_GRADED_CHARS:
+        return Grade(
+            None,
+            error=f"the answer is {len(answer)} characters long; graders read at most "
+            f"{MAX_GRADED_CHARS}",
+        )
     if isinstance(grader, WebhookGrader):
         return await _webhook(grader, example, answer, generation, client)
-    if grader.type in NEEDS_EXPECTED and example.get("expected") is None:
+    expected = example.get("expected")
+    if grader.type in NEEDS_EXPECTED and expected is None:
         return Grade(
             None, error=f"the example has no `expected` value for the {grader.type} grader"
         )
-    expected = example.get("expected")
+    size = len(answer)
+    if isinstance(grader, ExactMatchGrader | ContainsGrader):
+        expected = str(expected)  # compared as text, as long as the answer may be
+        if len(expected) > MAX_GRADED_CHARS:
+            return Grade(
+                None,
+                error=f"the example's `expected` is {len(expected)} characters long; graders "
+                f"read at most {MAX_GRADED_CHARS}",
+            )
+        size += len(expected)
+    if size > THREAD_CHARS:
+        return await asyncio.to_thread(grade_locally, grader, expected, answer)
+    return grade_locally(grader, expected, answer)
+
+
+def grade_locally(grader: Grader, expected: Any, answer: str) -> Grade:
+    """A local grader's score: bounded work, linear in the answer."""
     if isinstance(grader, ExactMatchGrader):
         return _exact_match(grader, str(expected), answer)
     if isinstance(grader, ContainsGrader):
         return _contains(grader, str(expected), answer)
     if isinstance(grader, RegexGrader):
-        flags = re.IGNORECASE if grader.ignore_case else 0
-        return Grade(1.0 if re.search(grader.pattern, answer, flags) else 0.0)
+        regex = compile_regex(grader.pattern, grader.ignore_case)
+        if len(answer) * regex.programsize > MAX_REGEX_WORK:
+            return Grade(
+                None,
+                error=f"the answer ({len(answer)} characters) is too long for this pattern "
+                f"({regex.programsize} RE2 instructions)",
+            )
+        return Grade(1.0 if regex.search(answer) else 0.0)
     if isinstance(grader, NumericGrader):
         return _numeric(grader, expected, answer)
     if isinstance(grader, JsonFieldGrader):
         return _json_field(grader, expected, answer)
-    return Grade(None, error=f"unknown grader {grader!r}")  # pragma: no cover
+    return Grade(None, error=f"unknown grader {grader.type!r}")  # pragma: no cover
 
 
 # -- local graders -------------------------------------------------------------------------
@@ -223,9 +313,24 @@ def _to_float(text: str) -> float:
 
 
 def last_number(text: str) -> float | None:
-    """The last number written in `text`, or None when there is none."""
+    """The last number written in `text`, or None when there is none.
+
+    The last number holds the last digit, so only the text before it is searched, from the
+    start of the run of number characters it stands in, at most `NUMBER_WINDOW` back: the
+    same number a search of the whole text finds (no number spans another character), in
+    bounded time. (`re` holds the GIL for a whole search: a long one would stall the event
+    loop even from a thread.)"""
+    end = max(text.rfind(digit) for digit in "0123456789")
+    if end < 0:
+        return None
+    start = max(0, end - NUMBER_WINDOW)
+    if start > 0 and text[start - 1] in _NUMBER_CHARS:  # inside a run: begin after it
+        window = text[start : end + 1]
+        after_run = start + len(window) - len(window.lstrip(_NUMBER_CHARS))
+        if after_run <= end:
+            start = after_run
     last = None
-    for match in _NUMBER.finditer(text):
+    for match in _NUMBER.finditer(text, start, end + 2):  # + a "." that may end it
         last = match
     return _to_float(last.group()) if last is not None else None
 
@@ -238,7 +343,11 @@ def _expected_number(expected: Any) -> float | None:
             value = float(expected)
         except OverflowError:  # an integer too large for a float
             return None
-    elif isinstance(expected, str) and _NUMBER.fullmatch(expected.strip()):
+    elif (
+        isinstance(expected, str)
+        and len(expected) <= MAX_EXPECTED_NUMBER_CHARS
+        and _NUMBER.fullmatch(expected.strip())
+    ):
         value = _to_float(expected.strip())
     else:
         return None
@@ -271,13 +380,20 @@ def _parse_json(answer: str) -> Any:
         pass
     decoder = json.JSONDecoder()
     start = answer.find("{")
+    budget = MAX_JSON_SCAN_CHARS
     for _ in range(MAX_JSON_CANDIDATES):
-        if start < 0:
+        if start < 0 or budget <= 0:
             break
         try:
             return decoder.raw_decode(answer, start)[0]
+        except json.JSONDecodeError as exc:
+            # The decoder reads left to right and stops where it failed, except in a string
+            # that never ends: that it read to the end of the answer.
+            unterminated = exc.msg.startswith("Unterminated string")
+            budget -= (len(answer) if unterminated else exc.pos + 1) - start
         except (ValueError, RecursionError):
-            start = answer.find("{", start + 1)
+            budget -= len(answer) - start
+        start = answer.find("{", start + 1)
     return _MISSING
 
 
@@ -325,21 +441,12 @@ def _json_field(grader: JsonFieldGrader, expected: Any, answer: str) -> Grade:
 # -- webhook -------------------------------------------------------------------------------
 
 
-class _TooLarge(Exception):
-    pass
-
-
-def _snippet(body: bytes, limit: int = 200) -> str:
-    text = body.decode("utf-8", "replace").strip()
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
 async def _webhook(
     grader: WebhookGrader,
     example: dict[str, Any],
     answer: str,
     generation: int,
-    client: httpx.AsyncClient,
+    client: EgressClient,
 ) -> Grade:
     try:
         payload = json.dumps(
@@ -349,33 +456,19 @@ async def _webhook(
         ).encode()
     except (TypeError, ValueError) as exc:
         return Grade(None, error=f"webhook grader: the example is not JSON-serialisable: {exc}")
-    headers = httpx.Headers(grader.headers)
-    headers["content-type"] = "application/json"
     try:
-        async with (
-            asyncio.timeout(grader.timeout_s),
-            client.stream(
-                "POST", str(grader.url), content=payload, headers=headers, timeout=grader.timeout_s
-            ) as response,
-        ):
-            status = response.status_code
-            body = bytearray()
-            async for chunk in response.aiter_bytes():
-                body += chunk
-                if len(body) > MAX_WEBHOOK_RESPONSE_BYTES:
-                    raise _TooLarge
-    except (TimeoutError, httpx.TimeoutException):
-        return Grade(None, error=f"webhook grader timed out after {grader.timeout_s:g} s")
-    except _TooLarge:
-        return Grade(
-            None, error=f"webhook grader answered more than {MAX_WEBHOOK_RESPONSE_BYTES} bytes"
+        reply = await client.post_json(
+            str(grader.url),
+            payload,
+            headers=grader.headers,
+            timeout_s=grader.timeout_s,
+            max_bytes=MAX_WEBHOOK_RESPONSE_BYTES,
         )
-    except Exception as exc:
-        detail = str(exc) or "no detail"
-        return Grade(None, error=f"webhook grader request failed: {type(exc).__name__}: {detail}")
-    if not 200 <= status < 300:
-        return Grade(None, error=f"webhook grader answered HTTP {status}: {_snippet(bytes(body))}")
-    return _webhook_body(bytes(body), status)
+    except EgressError as exc:
+        return Grade(None, error=f"webhook grader {exc}")
+    if not reply.ok:
+        return Grade(None, error=f"webhook grader answered {reply.describe()}")
+    return _webhook_body(reply.body, reply.status)
 
 
 def _webhook_body(body: bytes, status: int) -> Grade:
@@ -383,18 +476,18 @@ def _webhook_body(body: bytes, status: int) -> Grade:
     try:
         parsed = json.loads(body)
     except (ValueError, RecursionError):
-        return Grade(None, error=f"{bad} a body that is not JSON: {_snippet(body)}")
+        return Grade(None, error=f"{bad} a body that is not JSON ({len(body)} bytes)")
     if not isinstance(parsed, dict):
         return Grade(None, error=f"{bad} a JSON {type(parsed).__name__}, not an object")
     reward = parsed.get("reward")
     if isinstance(reward, bool) or not isinstance(reward, int | float):
-        return Grade(None, error=f"{bad} no numeric `reward`: {_snippet(body)}")
+        return Grade(None, error=f"{bad} no numeric `reward` ({len(body)} bytes)")
     try:
         reward = float(reward)
     except OverflowError:
         reward = math.inf
     if not math.isfinite(reward):
-        return Grade(None, error=f"{bad} a reward that is not finite: {reward}")
+        return Grade(None, error=f"{bad} a reward that is not finite")
     reasoning = parsed.get("reasoning")
     if reasoning is not None and not isinstance(reasoning, str):
         return Grade(None, error=f"{bad} a `reasoning` that is not a string or null")

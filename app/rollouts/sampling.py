@@ -129,7 +129,7 @@ class SamplingClient:
     def _delay(self, attempt: int, retry_after: float | None) -> float:
         """Exponential backoff from `backoff` with jitter in [d/2, d]; at least what the
         server asked for in Retry-After (bounded)."""
-        delay = min(self.backoff * 2**attempt, MAX_BACKOFF_S)
+        delay = min(self.backoff * 2.0**attempt, MAX_BACKOFF_S)
         delay = delay / 2 + random.random() * delay / 2
         if retry_after is not None:
             delay = max(delay, min(retry_after, MAX_RETRY_AFTER_S))

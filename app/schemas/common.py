@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
@@ -38,8 +39,35 @@ def plain_json(value: T) -> T:
     return value
 
 
-JsonObject = Annotated[dict[str, Any], AfterValidator(plain_json)]
-"""A free-form JSON object, checked by `plain_json`."""
+MAX_JSON_OBJECT_BYTES = 64 * 1024
+"""How large free-form labels and settings (`metadata`, `config`, `hyperparameters`) may be,
+as JSON: they are stored in a row and returned with it on every page that lists it."""
+
+
+def small_json(value: T) -> T:
+    """`plain_json`, and at most `MAX_JSON_OBJECT_BYTES` of JSON text."""
+    plain_json(value)
+    # Each node takes at least one character: count them first, so that a large value is
+    # refused without encoding it.
+    nodes = 0
+    stack: list[Any] = [value]
+    while stack:
+        item = stack.pop()
+        nodes += 1 + (len(item) if isinstance(item, str) else 0)
+        if isinstance(item, dict):
+            nodes += sum(map(len, item))
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        if nodes > MAX_JSON_OBJECT_BYTES:
+            break
+    if nodes > MAX_JSON_OBJECT_BYTES or len(json.dumps(value)) > MAX_JSON_OBJECT_BYTES:
+        raise ValueError(f"larger than {MAX_JSON_OBJECT_BYTES} bytes as JSON")
+    return value
+
+
+JsonObject = Annotated[dict[str, Any], AfterValidator(small_json)]
+"""A free-form JSON object, checked by `small_json`."""
 
 
 class FieldError(BaseModel):

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from app.models import JobStatus
+from app.jobs.lifecycle import EventType, JobStatus
 from app.schemas.common import NO_NUL, JsonObject
+from app.schemas.pieces import EACH, Piece
 from app.schemas.trajectories import (
     NAT_COLLECTION_EXAMPLE,
+    ArtTrajectory,
     ArtTrajectoryGroup,
+    NatTrajectory,
     TrajectoryCollection,
     TrajectorySummary,
 )
@@ -53,12 +56,47 @@ class TrainingJobCreate(BaseModel):
     metadata: JsonObject = Field(
         default_factory=dict, description="Free-form labels, returned with the job."
     )
+    policy_step: int | None = Field(
+        default=None,
+        ge=0,
+        le=2**31 - 1,
+        description="The model step the trajectories were sampled from (its policy "
+        "version). Rollout jobs set it on the training job they enqueue.",
+    )
+    max_steps_off_policy: int | None = Field(
+        default=None,
+        ge=0,
+        le=2**31 - 1,
+        description="How many steps the model may have moved past `policy_step` when a "
+        "worker takes the job; staler data fails the job (`StalePolicy`) instead of "
+        "training. 0: strictly on-policy. Null: any. Needs `policy_step`.",
+    )
 
     @model_validator(mode="after")
     def _exactly_one_source(self) -> TrainingJobCreate:
         if (self.collection is None) == (self.groups is None):
             raise ValueError("give exactly one of `collection` or `groups`")
+        if self.max_steps_off_policy is not None and self.policy_step is None:
+            raise ValueError("`max_steps_off_policy` needs `policy_step`")
         return self
+
+
+TrajectoryShape = Literal["art", "nat"]
+
+
+class TrainingTrajectories(BaseModel):
+    """A training job's trajectories in ART's shape."""
+
+    groups: list[ArtTrajectoryGroup]
+
+
+TRAINING_PIECES = (
+    Piece(("groups", EACH, "trajectories", EACH), ArtTrajectory),
+    Piece(("groups", EACH), ArtTrajectoryGroup),
+    Piece(("collection", "trajectories", EACH, EACH), NatTrajectory),
+    Piece(("collection", "trajectories", EACH), list[NatTrajectory]),
+)
+"""How a large `TrainingJobCreate` is validated: a trajectory, then a group, at a time."""
 
 
 class JobProgress(BaseModel):
@@ -79,6 +117,11 @@ class JobResult(BaseModel):
     recovered: bool = Field(
         description="The worker died after the step happened; the step was found and counted once."
     )
+    trained: bool | None = Field(
+        description="Whether the step changed the weights. False: the step counted (as in ART) "
+        "but nothing was learned; `reason` says why. Null: not known (a recovered step)."
+    )
+    reason: str | None = Field(description="Why nothing was trained, when `trained` is false.")
 
 
 class JobError(BaseModel):
@@ -96,6 +139,8 @@ class TrainingJob(BaseModel):
     summary: TrajectorySummary
     hyperparameters: dict[str, Any]
     metadata: dict[str, Any]
+    policy_step: int | None = Field(description="The model step the trajectories came from.")
+    max_steps_off_policy: int | None
     progress: JobProgress
     result: JobResult | None = Field(description="Set once the job succeeded.")
     error: JobError | None = Field(description="The last error, if any.")
@@ -111,9 +156,11 @@ class JobEvent(BaseModel):
     """One entry of a job's append-only history."""
 
     seq: int = Field(description="Position in the job's history, from 1; also the SSE event id.")
-    type: str = Field(
-        description="job_queued, training_started, gradient_step, training_ended, "
-        "training_failed, job_retrying, cancel_requested, job_cancelled, ..."
+    type: EventType = Field(
+        description="What happened. Any job: `job_queued`, `job_claimed`, `job_retrying`, "
+        "`job_released`, `cancel_requested`, `job_cancelled`. Training jobs: "
+        "`training_started`, `gradient_step`, `training_ended`, `training_failed`. Rollout "
+        "jobs: `rollout_started`, `rollout_progress`, `rollout_ended`, `rollout_failed`."
     )
     created_at: datetime
     data: dict[str, Any]

@@ -60,5 +60,15 @@ class Model(BaseModel):
     inference_model_name: str | None = Field(
         description="Model name to request there (`name@step`)."
     )
+    openai_base_url: str | None = Field(
+        default=None,
+        description="Trainyard's OpenAI-compatible gateway, behind the API's keys: a stable "
+        "base URL for every served model and step (`/openai/v1` on the API).",
+    )
+    openai_model_names: list[str] = Field(
+        default_factory=list,
+        description="Names the gateway accepts for this model now: `name` (the latest step), "
+        "`name@latest`, `name@N` (N: any step whose checkpoint is kept).",
+    )
     created_at: datetime
     updated_at: datetime

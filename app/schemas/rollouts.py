@@ -5,12 +5,26 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, HttpUrl, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    model_validator,
+)
 
-from app.models import JobStatus
-from app.rollouts.graders import NEEDS_EXPECTED, Grader
+from app.egress import EgressPolicy
+from app.jobs.lifecycle import JobStatus
+from app.rollouts.graders import (
+    NEEDS_EXPECTED,
+    Grader,
+    OutboundHeaders,
+    OutboundUrl,
+    WebhookGrader,
+)
 from app.schemas.common import NO_NUL, JsonObject, plain_json
 from app.schemas.jobs import JobError, JobProgress
+from app.schemas.pieces import EACH, Piece
 
 ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 
@@ -59,12 +73,22 @@ class Agent(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    url: HttpUrl = Field(
+    url: OutboundUrl = Field(
         description="Trainyard POSTs {example, generation, model: {base_url, api_key, name}} "
-        "and expects {trajectory (NAT or ART format), reward?}."
+        "and expects {trajectory (NAT or ART format), reward?}. Subject to the egress policy "
+        "(`TRAINYARD_EGRESS_ALLOW`, `TRAINYARD_EGRESS_DENY`); redirects are not followed."
     )
-    timeout_s: float = Field(default=300, gt=0, le=3600)
-    headers: dict[str, str] = Field(default_factory=dict)
+    timeout_s: float = Field(
+        default=300,
+        gt=0,
+        le=3600,
+        description="Seconds one call may take in all, from connecting to the answer's last byte.",
+    )
+    headers: OutboundHeaders = Field(
+        default_factory=dict,
+        description="Extra request headers, e.g. `Authorization`. Write-only: sent with "
+        "each call, never shown by any route.",
+    )
 
 
 class TrainAfter(BaseModel):
@@ -73,6 +97,13 @@ class TrainAfter(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     hyperparameters: JsonObject = Field(default_factory=dict)
+    max_steps_off_policy: int | None = Field(
+        default=None,
+        ge=0,
+        le=2**31 - 1,
+        description="The training job's `max_steps_off_policy`; its `policy_step` is the "
+        "step this rollout sampled.",
+    )
 
 
 class RolloutJobCreate(BaseModel):
@@ -124,6 +155,10 @@ class RolloutJobCreate(BaseModel):
         return self
 
 
+ROLLOUT_PIECES = (Piece(("examples", EACH), Example),)
+"""How a large `RolloutJobCreate` is validated: an example at a time."""
+
+
 class RolloutSummary(BaseModel):
     num_examples: int
     num_generations: int
@@ -135,7 +170,10 @@ class RolloutSummary(BaseModel):
         default_factory=list, description="Examples whose answers all got the same reward."
     )
     errors: list[str] = Field(
-        default_factory=list, description="The first recorded sampling or grading errors."
+        default_factory=list,
+        description="The first recorded errors of answers left out (sampling, grading, an "
+        "agent's call, an answer training would refuse). They name a status and a length, "
+        "never what a remote service answered.",
     )
 
 
@@ -156,6 +194,27 @@ class RolloutJob(BaseModel):
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+
+
+def refused_destinations(
+    agent: Agent | None, grader: Grader | None, policy: EgressPolicy, *, at: tuple[str, ...] = ()
+) -> list[dict[str, Any]]:
+    """Errors for an agent or webhook URL the egress policy refuses before resolving it
+    (an address literal, a denied name); every call is checked again when it is made.
+    `at`: where the request holds `agent` and `grader`."""
+    targets: list[tuple[tuple[str, ...], str]] = []
+    if agent is not None:
+        targets.append(((*at, "agent", "url"), str(agent.url)))
+    if isinstance(grader, WebhookGrader):
+        targets.append(((*at, "grader", "webhook", "url"), str(grader.url)))
+    errors = []
+    for loc, url in targets:
+        refused = policy.refuse_url(url)
+        if refused is not None:
+            errors.append(
+                {"loc": loc, "msg": f"refused by the egress policy: {refused}", "type": "egress"}
+            )
+    return errors
 
 
 def missing_expected(body: RolloutJobCreate) -> list[dict[str, Any]]:

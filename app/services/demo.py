@@ -24,6 +24,7 @@ async def ensure_demo_model(sessions: async_sessionmaker[AsyncSession], data_dir
         await asyncio.to_thread(make_tiny_model, path)
         log.info("made a tiny model in %s", path)
     async with sessions() as session:
-        body = ModelCreate(name=DEMO, project="demo", base_model=str(path.resolve()), backend="cpu")
-        await create_model(session, body=body)
+        base = path.resolve()
+        body = ModelCreate(name=DEMO, project="demo", base_model=str(base), backend="cpu")
+        await create_model(session, body=body, model_roots=[base.parent])  # the data dir
         await session.commit()

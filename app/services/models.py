@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from pathlib import Path
+
 from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.backends import SPECS
+from app.backends.cpu import base_model_refusal
 from app.db import begin_write
 from app.errors import ConflictError, InvalidInputError, NotFoundError, field_errors
+from app.gateway import served_names
 from app.models import ModelRow
 from app.schemas.models import Model, ModelCreate
 
@@ -23,12 +28,13 @@ def to_wire(row: ModelRow) -> Model:
         current_step=row.current_step,
         inference_base_url=row.inference_base_url,
         inference_model_name=row.inference_model_name,
+        openai_model_names=served_names(row) if SPECS[row.backend].serves else [],
         created_at=row.created_at,
         updated_at=row.updated_at,
     )
 
 
-def _check_backend(body: ModelCreate) -> dict:
+def _check_backend(body: ModelCreate, model_roots: Sequence[Path]) -> dict:
     spec = SPECS.get(body.backend)
     if spec is None:
         raise InvalidInputError(
@@ -38,17 +44,30 @@ def _check_backend(body: ModelCreate) -> dict:
             ),
         )
     try:
-        return spec.config.model_validate(body.config).model_dump(exclude_unset=True)
+        config = spec.config.model_validate(body.config).model_dump(exclude_unset=True)
     except ValidationError as exc:
         errors = [{**e, "loc": ("config", *e["loc"])} for e in exc.errors()]
         raise InvalidInputError(
             f"invalid config for backend {body.backend!r}", errors=field_errors(errors)
         ) from exc
+    if spec.name == "cpu":  # it loads `base_model` from this host's disk
+        refusal = base_model_refusal(body.base_model, model_roots)
+        if refusal is not None:
+            raise InvalidInputError(
+                f"base_model {refusal}",
+                errors=field_errors(
+                    [{"loc": ("base_model",), "msg": refusal, "type": "outside_model_roots"}]
+                ),
+            )
+    return config
 
 
-async def create_model(session: AsyncSession, *, body: ModelCreate) -> tuple[Model, bool]:
-    """Returns (model, created). The same definition again is a no-op; a different one 409."""
-    config = _check_backend(body)
+async def create_model(
+    session: AsyncSession, *, body: ModelCreate, model_roots: Sequence[Path]
+) -> tuple[Model, bool]:
+    """Returns (model, created). The same definition again is a no-op; a different one 409.
+    A cpu model's `base_model` must be under `model_roots`."""
+    config = _check_backend(body, model_roots)
     await begin_write(session)
     existing = await session.get(ModelRow, body.name)
     if existing is not None:

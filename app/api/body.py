@@ -1,0 +1,301 @@
+"""Request bodies: FastAPI parses none. A route that takes JSON reads it with `read_json`,
+which parses it strictly (`app.jsontext`), checks it against limits, validates it and
+hands it to the service's `prepare`, all in one step:
+
+- small bodies (up to `INLINE_BYTES`) in the request's task;
+- larger ones in a thread, with Python's cyclic garbage collector paused meanwhile (a
+  collection walks every live object while the body's millions of new ones are being
+  built: seconds during which no thread runs), at most `LARGE_AT_ONCE` at a time. The big
+  objects live and die in that thread: what comes back is what `prepare` keeps (a stored
+  spec, counts), or the problem to answer.
+
+Validation takes a body a piece at a time (`app.schemas.pieces`), each piece in one
+short call. The route documents the body with `json_body(model)`, the
+same OpenAPI request body FastAPI would write for a `model` parameter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.message
+import gc
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel
+
+from app import jsontext
+from app.errors import InvalidInputError, LimitExceededError, ProblemError, format_path
+from app.schemas.common import FieldError
+from app.schemas.pieces import Piece, validate
+from app.settings import Settings
+
+M = TypeVar("M", bound=BaseModel)
+R = TypeVar("R")
+
+INLINE_BYTES = 64 * 1024
+"""Bodies up to this size are read in the request's task; larger ones in a thread."""
+LARGE_AT_ONCE = 2
+"""Large bodies read at once (each holds several times its size in memory meanwhile)."""
+MAX_ERRORS = 100
+"""Invalid fields listed in one answer."""
+
+BODY_MODELS: list[type[BaseModel]] = []
+"""Models documented as request bodies (`json_body`); `app.main` adds their schemas."""
+
+
+def json_body(model: type[BaseModel]) -> dict[str, Any]:
+    """A route's `openapi_extra`: `model` as its required JSON body, as FastAPI writes it."""
+    if model not in BODY_MODELS:
+        BODY_MODELS.append(model)
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}
+            },
+        }
+    }
+
+
+@dataclass(frozen=True)
+class Reading(Generic[M, R]):
+    """How a route reads its body: the model, its pieces, the limits to check on the
+    parsed JSON (`limits(data, settings)`: the problems, as FieldErrors, for a 413), and
+    what the service keeps of a valid body (`prepare(body, raw, settings)`)."""
+
+    model: type[M]
+    prepare: Callable[[M, bytes, Settings], R]
+    pieces: Sequence[Piece] = ()
+    limits: Callable[[Any, Settings], list[FieldError]] | None = None
+
+
+async def read_json(request: Request, reading: Reading[M, R]) -> R:
+    """Read, check, validate and prepare the request's JSON body (see the module).
+    Raises the ProblemError to answer: 422 (with the path of each bad field) or 413."""
+    raw = await request.body()
+    settings: Settings = request.app.state.settings
+    content_type = request.headers.get("content-type")
+
+    def read() -> R | ProblemError:
+        return _read(raw, content_type, reading, settings)
+
+    outcome = read() if len(raw) <= INLINE_BYTES else await _off_the_loop(request, read)
+    if isinstance(outcome, ProblemError):
+        raise outcome
+    return outcome
+
+
+async def parse_json(request: Request) -> Any:
+    """The request's body parsed strictly (`app.jsontext.loads`), in a thread when large.
+    Raises `JsonTextError` or `JsonValueErrors`."""
+    raw = await request.body()
+    depth = request.app.state.settings.max_json_depth
+    if len(raw) <= INLINE_BYTES:
+        return jsontext.loads(raw, max_depth=depth)
+    return await _off_the_loop(request, lambda: jsontext.loads(raw, max_depth=depth))
+
+
+async def _off_the_loop(request: Request, work: Callable[[], R]) -> R:
+    """`work()` in a thread, with the garbage collector paused, at most LARGE_AT_ONCE at
+    once per app: a slot is given back when the thread ends, even if the request is gone
+    before (a thread cannot be stopped)."""
+    state = request.app.state
+    if getattr(state, "large_bodies", None) is None:
+        state.large_bodies = asyncio.Semaphore(LARGE_AT_ONCE)
+    slots: asyncio.Semaphore = state.large_bodies
+    await slots.acquire()
+    running = asyncio.ensure_future(asyncio.to_thread(_without_gc_pauses, work))
+    running.add_done_callback(lambda _: slots.release())
+    return await asyncio.shield(running)
+
+
+_gc_lock = threading.Lock()
+_gc_pausers = 0
+_gc_was_enabled = False
+
+
+def _pause_gc() -> None:
+    global _gc_pausers, _gc_was_enabled
+    with _gc_lock:
+        if _gc_pausers == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_pausers += 1
+
+
+def _resume_gc() -> None:
+    global _gc_pausers
+    with _gc_lock:
+        _gc_pausers -= 1
+        if _gc_pausers == 0 and _gc_was_enabled:
+            gc.enable()
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector (process-wide) while the block runs; it runs
+    again when the last pause ends (reference counting frees as usual meanwhile)."""
+    _pause_gc()
+    try:
+        yield
+    finally:
+        _resume_gc()
+
+
+def _without_gc_pauses(work: Callable[[], R]) -> R:
+    # What `work` builds is freed before it returns, inside the pause, in this thread.
+    with gc_paused():
+        return work()
+
+
+def _read(
+    raw: bytes, content_type: str | None, reading: Reading[M, R], settings: Settings
+) -> R | ProblemError:
+    """The body read, or the problem to answer. A problem is returned, not raised: an
+    exception raised here would carry this thread's frames, and the body with them, to
+    the event loop. What the body was parsed into is freed in the background, a little
+    at a time (`dispose`): freed at once, millions of objects would hold the GIL."""
+    trash: list[Any] = []
+    try:
+        return _read_into(raw, content_type, reading, settings, trash)
+    finally:
+        if len(raw) > INLINE_BYTES:
+            dispose(trash)
+
+
+def _read_into(
+    raw: bytes,
+    content_type: str | None,
+    reading: Reading[M, R],
+    settings: Settings,
+    trash: list[Any],
+) -> R | ProblemError:
+    problem = _content_type_problem(content_type)
+    if problem is not None:
+        return _invalid([problem])
+    if not raw:
+        return _invalid(
+            [FieldError(location="body", path="", message="Field required", type="missing")]
+        )
+    try:
+        data = jsontext.loads(raw, max_depth=settings.max_json_depth, max_errors=MAX_ERRORS)
+    except jsontext.JsonTextError as exc:
+        trash.append(exc.document)
+        exc.document = None
+        return _invalid([_text_error(exc)])
+    except jsontext.JsonValueErrors as refused:
+        trash.append(refused.document)
+        refused.document = None
+        return _invalid([_text_error(e) for e in refused.errors])
+    trash.append(data)
+    if reading.limits is not None:
+        over = reading.limits(data, settings)
+        if over:
+            return LimitExceededError(
+                f"{len(over)} limit(s) of this service exceeded; nothing was stored",
+                errors=over,
+            )
+    body, errors, more = validate(reading.model, data, reading.pieces, MAX_ERRORS)
+    if body is None:
+        return _invalid(field_errors_of(errors), more=more)
+    trash.append(body)
+    return reading.prepare(body, raw, settings)
+
+
+_disposer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dispose")
+
+
+def dispose(values: list[Any]) -> None:
+    """Free `values` (the caller's only references) in a background thread, a container
+    at a time, with the garbage collector paused until they are gone: what something
+    else still refers to (what a prepared job keeps) is left to it."""
+    _pause_gc()  # now: the caller's pause may end before the disposer starts
+    stack = values[:]
+    values.clear()  # before the disposer starts: it frees only what no one else holds
+    _disposer.submit(_dispose, stack)
+
+
+def _dispose(stack: list[Any]) -> None:
+    try:
+        _free(stack)
+    finally:
+        _resume_gc()
+
+
+def _free(stack: list[Any]) -> None:
+    while stack:
+        item = stack.pop()
+        if sys.getrefcount(item) > 2:  # `item`, and the argument: anyone else keeps it
+            continue
+        if type(item) is list:
+            stack.extend(item)
+            item.clear()
+        elif type(item) is dict:
+            stack.extend(item.values())
+            item.clear()
+        elif isinstance(item, BaseModel):
+            stack.extend(item.__dict__.values())
+            item.__dict__.clear()
+
+
+def _invalid(errors: list[FieldError], *, more: bool = False) -> InvalidInputError:
+    listed = errors[:MAX_ERRORS]
+    if more or len(listed) < len(errors):
+        detail = f"more than {len(listed)} invalid fields in the request; the first are listed"
+    else:
+        detail = f"{len(listed)} invalid field(s) in the request"
+    return InvalidInputError(detail, errors=listed)
+
+
+def _content_type_problem(content_type: str | None) -> FieldError | None:
+    """What FastAPI answers for a body that is not JSON; and JSON in another charset."""
+    message = email.message.Message()
+    message["content-type"] = content_type or ""
+    subtype = message.get_content_subtype()
+    if (
+        not content_type
+        or message.get_content_maintype() != "application"
+        or not (subtype == "json" or subtype.endswith("+json"))
+    ):
+        return FieldError(
+            location="body",
+            path="",
+            message="Input should be a valid dictionary or object to extract fields from",
+            type="model_attributes_type",
+        )
+    charset = message.get_param("charset")
+    if isinstance(charset, str) and charset.lower().replace("-", "") not in ("utf8", "usascii"):
+        return FieldError(
+            location="body",
+            path="",
+            message=f"JSON bodies are UTF-8 (RFC 8259); this one says charset={charset}",
+            type="json_invalid",
+        )
+    return None
+
+
+def _text_error(exc: jsontext.JsonTextError) -> FieldError:
+    if exc.pos is not None:
+        message = f"JSON decode error: {exc.message} at character {exc.pos}"
+    else:
+        message = exc.message
+    return FieldError(location="body", path=format_path(exc.path), message=message, type=exc.type)
+
+
+def field_errors_of(errors: list[dict[str, Any]]) -> list[FieldError]:
+    return [
+        FieldError(
+            location="body",
+            path=format_path(err["loc"]),
+            message=str(err.get("msg", "invalid")),
+            type=str(err.get("type", "invalid")),
+        )
+        for err in errors
+    ]

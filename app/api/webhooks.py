@@ -1,0 +1,135 @@
+"""Webhook endpoints: register, list, show, change, remove; their delivery log; a test."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request, Response
+
+from app.api.body import Reading, json_body, read_json
+from app.api.deps import Cursor, JobId, Session
+from app.egress import EgressPolicy
+from app.schemas.common import Page, problem_responses
+from app.schemas.webhooks import (
+    WebhookDelivery,
+    WebhookEndpoint,
+    WebhookEndpointCreate,
+    WebhookEndpointCreated,
+    WebhookEndpointUpdate,
+)
+from app.settings import Settings
+from app.webhooks import service
+
+
+def _checked(body: WebhookEndpointCreate, raw: bytes, settings: Settings) -> WebhookEndpointCreate:
+    service.check_destination(body, EgressPolicy.from_settings(settings))
+    return body
+
+
+CREATING = Reading(WebhookEndpointCreate, _checked)
+UPDATING = Reading(WebhookEndpointUpdate, lambda body, raw, settings: body)
+
+router = APIRouter(prefix="/v1/webhooks", tags=["webhooks"], responses=problem_responses(401))
+EndpointId = JobId
+
+
+@router.post(
+    "",
+    response_model=WebhookEndpointCreated,
+    status_code=201,
+    summary="Register a webhook endpoint (its secret is in this answer only)",
+    responses=problem_responses(413, 422),
+    openapi_extra=json_body(WebhookEndpointCreate),
+)
+async def create(request: Request, session: Session, response: Response) -> WebhookEndpointCreated:
+    endpoint = await service.create_endpoint(session, body=await read_json(request, CREATING))
+    await session.commit()
+    response.headers["Location"] = f"/v1/webhooks/{endpoint.id}"
+    return endpoint
+
+
+@router.get(
+    "",
+    name="list",
+    response_model=Page[WebhookEndpoint],
+    summary="List webhook endpoints, newest first",
+    responses=problem_responses(422),
+)
+async def list_all(
+    session: Session, after: Cursor = None, limit: Annotated[int, Query(ge=1, le=100)] = 20
+) -> Page[WebhookEndpoint]:
+    items, has_more = await service.list_endpoints(session, after=after, limit=limit)
+    return Page(data=items, has_more=has_more, next_cursor=items[-1].id if has_more else None)
+
+
+@router.get(
+    "/{endpoint_id}",
+    response_model=WebhookEndpoint,
+    summary="Get a webhook endpoint",
+    responses=problem_responses(404),
+)
+async def get(endpoint_id: EndpointId, session: Session) -> WebhookEndpoint:
+    return service.to_wire(await service.get_endpoint(session, endpoint_id))
+
+
+@router.patch(
+    "/{endpoint_id}",
+    response_model=WebhookEndpoint,
+    summary="Enable or disable a webhook endpoint, or change its description",
+    responses=problem_responses(404, 413, 422),
+    openapi_extra=json_body(WebhookEndpointUpdate),
+)
+async def update(endpoint_id: EndpointId, request: Request, session: Session) -> WebhookEndpoint:
+    body = await read_json(request, UPDATING)
+    endpoint = await service.update_endpoint(session, endpoint_id, body=body)
+    await session.commit()
+    request.app.state.notifier.webhooks_due()  # enabled again: what waited is due
+    return endpoint
+
+
+@router.delete(
+    "/{endpoint_id}",
+    status_code=204,
+    summary="Remove a webhook endpoint and its delivery log",
+    responses=problem_responses(404),
+)
+async def delete(endpoint_id: EndpointId, session: Session) -> Response:
+    await service.delete_endpoint(session, endpoint_id)
+    await session.commit()
+    return Response(status_code=204)
+
+
+@router.get(
+    "/{endpoint_id}/deliveries",
+    name="deliveries",
+    response_model=Page[WebhookDelivery],
+    summary="The endpoint's deliveries, newest first, each with its attempts",
+    responses=problem_responses(404, 422),
+)
+async def deliveries(
+    endpoint_id: EndpointId,
+    session: Session,
+    after: Annotated[
+        int | None,
+        Query(ge=0, le=2**31 - 1, description="`next_cursor` of the previous page"),
+    ] = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+) -> Page[WebhookDelivery]:
+    items, has_more = await service.list_deliveries(session, endpoint_id, after=after, limit=limit)
+    cursor = str(items[-1].id) if has_more else None
+    return Page(data=items, has_more=has_more, next_cursor=cursor)
+
+
+@router.post(
+    "/{endpoint_id}/test",
+    name="test",
+    response_model=WebhookDelivery,
+    status_code=202,
+    summary="Send the endpoint a `webhook.test` message (a worker sends it)",
+    responses=problem_responses(404),
+)
+async def test(endpoint_id: EndpointId, request: Request, session: Session) -> WebhookDelivery:
+    delivery = await service.send_test(session, endpoint_id)
+    await session.commit()
+    request.app.state.notifier.webhooks_due()
+    return delivery

@@ -1,0 +1,211 @@
+"""Datasets: examples uploaded once as JSON Lines and reused by runs, kept in named splits.
+
+An upload is read a line at a time: each line is parsed strictly (`app.jsontext`) and
+validated as a `DatasetExample`, and every error names its line (`line[3].messages[0]
+.role`, lines counted from 1). Nothing is stored unless every line is valid. The same
+bytes uploaded again under the same name give back the dataset stored the first time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import secrets
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+
+from app import jsontext
+from app.db import begin_write, utcnow
+from app.errors import ConflictError, InvalidInputError, NotFoundError, format_path
+from app.jobs.payloads import compress, decompress
+from app.models import DatasetRow, JobRow
+from app.schemas.common import FieldError
+from app.schemas.runs import Dataset, DatasetExample
+
+MAX_EXAMPLES = 100_000
+MAX_ERRORS = 100
+THREAD_BYTES = 256 * 1024  # uploads above this are read in a thread
+THREAD_EXAMPLES = 500  # datasets above this are encoded in a thread
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """A valid upload: its splits' examples (as stored) and its hash."""
+
+    splits: dict[str, list[dict[str, Any]]]
+    sha256: str
+    num_examples: int
+
+
+def parse_jsonl(raw: bytes, *, max_depth: int) -> Parsed:
+    """Every line checked; raises InvalidInputError naming each bad line (at most
+    MAX_ERRORS). Blank lines are skipped; a final line without a newline counts."""
+    errors: list[FieldError] = []
+    splits: dict[str, list[dict[str, Any]]] = {}
+    count = 0
+    for number, line in enumerate(raw.split(b"\n"), start=1):
+        if not line.strip():
+            continue
+        count += 1
+        if count > MAX_EXAMPLES:
+            errors.append(_error(number, (), f"more than {MAX_EXAMPLES} examples", "too_many"))
+            break
+        try:
+            data = jsontext.loads(line.rstrip(b"\r"), max_depth=max_depth, max_errors=1)
+            example = DatasetExample.model_validate(data)
+        except jsontext.JsonTextError as exc:
+            at = f" at character {exc.pos}" if exc.pos is not None else ""
+            errors.append(_error(number, exc.path, exc.message + at, exc.type))
+        except jsontext.JsonValueErrors as refused:
+            first = refused.errors[0]
+            errors.append(_error(number, first.path, first.message, first.type))
+        except ValidationError as exc:
+            for err in exc.errors(include_url=False)[:5]:
+                errors.append(_error(number, err["loc"], err["msg"], err["type"]))
+        else:
+            stored = example.model_dump(mode="json", exclude={"split"})
+            splits.setdefault(example.split, []).append(stored)
+        if len(errors) >= MAX_ERRORS:
+            break
+    if not errors and count == 0:
+        errors.append(FieldError(location="body", path="", message="no examples", type="missing"))
+    if errors:
+        more = " (the first are listed)" if len(errors) >= MAX_ERRORS else ""
+        raise InvalidInputError(
+            f"{len(errors)} invalid line(s) in the upload{more}; nothing was stored",
+            errors=errors[:MAX_ERRORS],
+        )
+    return Parsed(splits, hashlib.sha256(raw).hexdigest(), count)
+
+
+def _error(line: int, loc: Any, message: str, kind: str) -> FieldError:
+    return FieldError(
+        location="body", path=format_path(("line", line, *loc)), message=message, type=kind
+    )
+
+
+def new_dataset_id() -> str:
+    return f"ds_{time.time_ns() // 1000:014x}{secrets.token_hex(5)}"
+
+
+async def create_dataset(
+    session: AsyncSession, *, name: str, parsed: Parsed
+) -> tuple[Dataset, bool]:
+    """Store a parsed upload; (dataset, created). The same name and bytes as a stored
+    dataset: that one, not created again."""
+    await begin_write(session)
+    existing = await session.scalar(
+        select(DatasetRow).where(DatasetRow.name == name, DatasetRow.sha256 == parsed.sha256)
+    )
+    if existing is not None:
+        return to_wire(existing), False
+    if parsed.num_examples > THREAD_EXAMPLES:  # encoded off the event loop
+        document, payload = await asyncio.to_thread(_encode, parsed.splits)
+    else:
+        document, payload = _encode(parsed.splits)
+    row = DatasetRow(
+        id=new_dataset_id(),
+        name=name,
+        sha256=parsed.sha256,
+        num_examples=parsed.num_examples,
+        splits={split: len(items) for split, items in parsed.splits.items()},
+        payload=payload,
+        payload_bytes=len(document),
+        created_at=utcnow(),
+    )
+    session.add(row)
+    await session.flush()
+    return to_wire(row), True
+
+
+def _encode(splits: dict[str, list[dict[str, Any]]]) -> tuple[bytes, bytes]:
+    document = jsontext.dumps(splits).encode()  # a piece at a time (see app.jsontext)
+    return document, compress(document)
+
+
+def to_wire(row: DatasetRow) -> Dataset:
+    return Dataset(
+        id=row.id,
+        name=row.name,
+        sha256=row.sha256,
+        num_examples=row.num_examples,
+        splits=dict(row.splits),
+        created_at=row.created_at,
+    )
+
+
+async def get_dataset(session: AsyncSession, dataset_id: str) -> DatasetRow:
+    row = await session.get(DatasetRow, dataset_id)
+    if row is None:
+        raise NotFoundError(f"no dataset {dataset_id!r}")
+    return row
+
+
+async def list_datasets(
+    session: AsyncSession, *, name: str | None, after: str | None, limit: int
+) -> tuple[list[Dataset], bool]:
+    query = select(DatasetRow).order_by(DatasetRow.id.desc()).limit(limit + 1)
+    if name is not None:
+        query = query.where(DatasetRow.name == name)
+    if after:
+        query = query.where(DatasetRow.id < after)
+    rows = list((await session.scalars(query)).all())
+    return [to_wire(r) for r in rows[:limit]], len(rows) > limit
+
+
+async def delete_dataset(session: AsyncSession, dataset_id: str) -> None:
+    """409 while a run that has not ended reads it."""
+    await begin_write(session)
+    row = await get_dataset(session, dataset_id)
+    active = await session.scalar(
+        select(JobRow.id).where(
+            JobRow.kind == "run",
+            JobRow.status.in_(("queued", "running")),
+            JobRow.summary["dataset"].as_string() == dataset_id,
+        )
+    )
+    if active is not None:
+        raise ConflictError(f"run {active} reads dataset {dataset_id}; it cannot be deleted")
+    await session.delete(row)
+
+
+# -- reading a dataset's splits (workers) -----------------------------------------------------
+
+_cache: OrderedDict[str, dict[str, list[dict[str, Any]]]] = OrderedDict()
+_CACHED = 8  # datasets kept decoded per process (a dataset never changes)
+
+
+async def decode_splits(payload: bytes, size: int) -> dict[str, list[dict[str, Any]]]:
+    """A stored dataset's examples by split; a large one decoded off the event loop."""
+
+    def decode() -> dict[str, list[dict[str, Any]]]:
+        splits: dict[str, list[dict[str, Any]]] = jsontext.load_stored(decompress(payload, size))
+        return splits
+
+    return await asyncio.to_thread(decode) if size > THREAD_BYTES else decode()
+
+
+async def load_splits(conn: AsyncConnection, dataset_id: str) -> dict[str, list[dict[str, Any]]]:
+    """A dataset's examples by split, decoded once per process."""
+    if dataset_id in _cache:
+        _cache.move_to_end(dataset_id)
+        return _cache[dataset_id]
+    row = (
+        await conn.execute(
+            select(DatasetRow.payload, DatasetRow.payload_bytes).where(DatasetRow.id == dataset_id)
+        )
+    ).one_or_none()
+    if row is None:
+        raise NotFoundError(f"dataset {dataset_id} is gone")
+
+    splits = await decode_splits(row.payload, row.payload_bytes)
+    _cache[dataset_id] = splits
+    while len(_cache) > _CACHED:
+        _cache.popitem(last=False)
+    return splits

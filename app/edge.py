@@ -1,0 +1,205 @@
+"""What every request passes before a route: the API key, then its body (deadline and size),
+then HEAD served as GET. Pure ASGI middleware, so each answers before the next reads
+anything: a request without a valid key is refused before a byte of its body is read."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from collections.abc import Collection, Sequence
+from typing import Any
+
+from pydantic import SecretStr
+from starlette.datastructures import Headers
+from starlette.requests import Request
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app.errors import problem_response
+
+UNAUTHORIZED_DETAIL = "Missing or invalid API key: send `Authorization: Bearer <key>`"
+_CLOSE = {"Connection": "close"}
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    """The credentials of an `Authorization: Bearer …` header, read as FastAPI's HTTPBearer
+    reads them (scheme case-insensitive, credentials stripped); None without one."""
+    if not authorization:
+        return None
+    scheme, _, credentials = authorization.partition(" ")
+    credentials = credentials.strip()
+    if scheme.lower() != "bearer" or not credentials:
+        return None
+    return credentials
+
+
+def key_matches(keys: Sequence[SecretStr], given: str | None) -> bool:
+    """Whether `given` is one of `keys`, compared with every key in constant time, so the
+    time taken says nothing about which key (or how much of one) matched."""
+    candidate = (given or "").encode()
+    matched = False
+    for key in keys:
+        matched |= hmac.compare_digest(candidate, key.get_secret_value().encode())
+    return matched and given is not None
+
+
+def _route_path(scope: Scope) -> str:
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path
+
+
+def _has_body(headers: Headers) -> bool:
+    length = headers.get("content-length")
+    return "transfer-encoding" in headers or (length is not None and length.strip() != "0")
+
+
+class ApiKeys:
+    """401 problem+json for a request to a protected path without a valid bearer key,
+    answered from the headers alone: the app never reads the body (the server discards
+    what still arrives of it; `trainyard serve` for at most TRAINYARD_BODY_TIMEOUT_SECONDS).
+    Open: the paths in `open_paths`, exactly."""
+
+    def __init__(
+        self, app: ASGIApp, *, keys: Sequence[SecretStr], open_paths: Collection[str]
+    ) -> None:
+        self.app = app
+        self.keys = list(keys)
+        self.open_paths = frozenset(open_paths)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self.keys or _route_path(scope) in self.open_paths:
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        if key_matches(self.keys, bearer_token(headers.get("authorization"))):
+            await self.app(scope, receive, send)
+            return
+        response = problem_response(
+            401,
+            "Unauthorized",
+            UNAUTHORIZED_DETAIL,
+            request=Request(scope),
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+        await response(scope, receive, send)
+
+
+class RequestBody:
+    """Reads a request's body whole before the app does, within a size limit and a
+    deadline, and hands it on in one piece.
+
+    - A declared `Content-Length` over the limit gets 413 before a byte is read; a body
+      without one (chunked) is counted as it arrives and refused once it passes the limit:
+      the same `body-too-large` problem either way.
+    - A body that has not fully arrived `timeout_seconds` after the request started gets
+      408 (`request-timeout`) and the connection is closed: a client sending a byte a
+      second holds nothing for long.
+    After a 413 the connection stays open, so that the client reads the answer rather than
+    a reset: the server discards the rest of the body as it arrives.
+    """
+
+    def __init__(self, app: ASGIApp, *, max_body_bytes: int, timeout_seconds: float) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.timeout_seconds = timeout_seconds
+
+    def _too_large(self, scope: Scope, size: int | None) -> Any:
+        got = f"The body has {size} bytes; " if size is not None else "The body is too large; "
+        return problem_response(
+            413,
+            "Content Too Large",
+            got + f"the limit is {self.max_body_bytes}",
+            request=Request(scope),
+            slug="body-too-large",
+        )
+
+    def _timed_out(self, scope: Scope) -> Any:
+        return problem_response(
+            408,
+            "Request Timeout",
+            f"The body did not arrive within {self.timeout_seconds:g} seconds",
+            request=Request(scope),
+            slug="request-timeout",
+            headers=_CLOSE,
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        declared = headers.get("content-length", "").strip()
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            await self._too_large(scope, int(declared))(scope, receive, send)
+            return
+        if not _has_body(headers):
+            await self.app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            async with asyncio.timeout(self.timeout_seconds):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return  # the client is gone: nobody to answer
+                    chunk = message.get("body", b"")
+                    size += len(chunk)
+                    if size > self.max_body_bytes:
+                        await self._too_large(scope, None)(scope, receive, send)
+                        return
+                    chunks.append(chunk)
+                    if not message.get("more_body", False):
+                        break
+        except TimeoutError:
+            await self._timed_out(scope)(scope, receive, send)
+            return
+        body = b"".join(chunks)
+        del chunks
+        handed = False
+
+        async def replay() -> Message:
+            nonlocal handed
+            if not handed:
+                handed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+class HeadAsGet:
+    """HEAD on a GET route answers as GET does (status, headers, `Content-Length`) with no
+    body. FastAPI's routes match GET only, so HEAD would be a 405 whose `Allow` lists GET.
+    A streamed answer (an event stream) ends as soon as its headers are sent."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            await self.app(scope, receive, send)
+            return
+        inner = {**scope, "method": "GET"}
+        done = False
+
+        async def head_send(message: Message) -> None:
+            nonlocal done
+            if done:
+                return
+            if message["type"] == "http.response.body":
+                done = True
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return
+            await send(message)
+
+        async def head_receive() -> Message:
+            if done:
+                return {"type": "http.disconnect"}
+            return await receive()
+
+        try:
+            await self.app(inner, head_receive, head_send)
+        finally:
+            if "route" in inner:  # for the metrics, which label requests by route
+                scope["route"] = inner["route"]

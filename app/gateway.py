@@ -1,0 +1,208 @@
+"""One OpenAI-compatible endpoint for every served model, under the API's own origin and
+keys (`/openai/v1`): a client names `name` (the latest step), `name@latest`, `name@N` or
+`name@alias` (`best`, or an alias set on the model), and the gateway forwards the request
+to whichever backend serves that step (the cpu backend's server, ART's vLLM on a GPU host)
+as `name@N`. Its errors use OpenAI's envelope, which OpenAI clients parse.
+
+Where a step is served: in a process that runs a worker, the worker's own backend says
+(so a restarted process never routes to the previous process's port); an API-only
+replica reads the endpoint the serving worker recorded on the model's row.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from app.backends import SPECS, Backends
+from app.backends.base import ModelSpec, classify
+from app.checkpoints import service as checkpoints
+from app.models import ModelRow
+from app.schemas.checkpoints import ALIAS_PATTERN
+
+PREFIX = "/openai/v1"
+LATEST = "latest"
+MAX_STEP = 2**31 - 1
+# Hop-by-hop and length headers are the gateway's own to set.
+_DROPPED = {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"}
+
+
+class GatewayError(Exception):
+    """An error in OpenAI's envelope: `{"error": {"message", "type", "code"}}`."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        code: str,
+        *,
+        kind: str = "invalid_request_error",
+        retry_after: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.kind = status, message, code, kind
+        self.retry_after = retry_after
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": str(self.retry_after)} if self.retry_after else None
+        body = {"error": {"message": self.message, "type": self.kind, "code": self.code}}
+        return JSONResponse(body, status_code=self.status, headers=headers)
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where one requested model name is served."""
+
+    base_url: str
+    model_name: str  # the name the serving endpoint knows the step by
+    api_key: str | None
+    step: int
+
+
+def parse_model(requested: str) -> tuple[str, str]:
+    """`name`, `name@latest`, `name@N` -> (name, selector)."""
+    name, _, selector = requested.partition("@")
+    return name, selector or LATEST
+
+
+def served_names(row: ModelRow) -> list[str]:
+    """The names the gateway accepts for a model now."""
+    return [row.name, f"{row.name}@{LATEST}", f"{row.name}@{row.current_step}"]
+
+
+class Gateway:
+    def __init__(self, backends: Backends, *, serves_here: bool, timeout: float = 600.0) -> None:
+        """`serves_here`: this process runs a worker, whose backends serve its models."""
+        self.backends = backends
+        self.serves_here = serves_here
+        self._timeout = timeout
+
+    @functools.cached_property
+    def client(self) -> httpx.AsyncClient:
+        """Made on first use: its TLS context loads the CA bundle, a tenth of a second that
+        a process's start need not wait for."""
+        return httpx.AsyncClient(
+            timeout=httpx.Timeout(self._timeout, connect=10.0),
+            limits=httpx.Limits(max_connections=64, max_keepalive_connections=16),
+            follow_redirects=False,
+        )
+
+    async def close(self) -> None:
+        if "client" in self.__dict__:
+            await self.client.aclose()
+
+    async def resolve(self, session: AsyncSession, requested: str) -> Route:
+        name, selector = parse_model(requested)
+        row = await session.get(ModelRow, name) if name else None
+        if row is None:
+            raise GatewayError(404, f"The model `{requested}` does not exist.", "model_not_found")
+        if not SPECS[row.backend].serves:
+            raise GatewayError(
+                404,
+                f"The model `{name}` is on backend `{row.backend}`, which serves no endpoint.",
+                "model_not_served",
+            )
+        step = await self._step(session, row, selector, requested)
+        if self.serves_here:
+            spec = ModelSpec(row.name, row.project, row.base_model, row.config)
+            try:
+                adapter = self.backends.get(row.backend)
+                inference = await adapter.inference(spec, step=step)
+                api_key = (await adapter.model(spec)).inference_api_key
+            except Exception as exc:
+                error = classify(exc)
+                if not error.transient:  # it will not be served here: say why
+                    raise GatewayError(
+                        404, f"The model `{name}` cannot be served: {error}", "model_not_served"
+                    ) from exc
+                raise _unavailable(name, str(error)) from exc
+            base_url, model_name = inference.base_url, inference.model_name
+        else:
+            base_url, model_name, api_key = row.inference_base_url, f"{name}@{step}", None
+        if not base_url:
+            raise _unavailable(name, "its endpoint is starting")
+        return Route(base_url.rstrip("/"), model_name, api_key, step)
+
+    async def _step(
+        self, session: AsyncSession, row: ModelRow, selector: str, requested: str
+    ) -> int:
+        """The step a selector names: `latest`, a step number, or an alias (`best`, or
+        one the user set: `app.checkpoints`)."""
+        if selector == LATEST:
+            return row.current_step
+        if selector.isdigit() and int(selector) <= MAX_STEP:
+            step = int(selector)
+            if step > row.current_step:
+                raise GatewayError(
+                    404,
+                    f"The model `{requested}` does not exist: `{row.name}` is at step "
+                    f"{row.current_step}.",
+                    "model_not_found",
+                )
+            return step
+        aliased = None
+        if re.fullmatch(ALIAS_PATTERN, selector):
+            aliased = await checkpoints.resolve_alias(session, self.backends, row, selector)
+        if aliased is None:
+            raise GatewayError(
+                404,
+                f"The model `{requested}` does not exist: after `@` give a step number, "
+                f"`{LATEST}` or an alias of `{row.name}`.",
+                "model_not_found",
+            )
+        return aliased
+
+    async def forward(self, route: Route, path: str, body: dict[str, Any]) -> Response:
+        """POST `body` (its `model` replaced by the served name) to the route's endpoint;
+        a streamed answer is relayed as it arrives."""
+        headers = {"content-type": "application/json"}
+        if route.api_key:
+            headers["authorization"] = f"Bearer {route.api_key}"
+        request = self.client.build_request(
+            "POST",
+            f"{route.base_url}{path}",
+            content=json.dumps({**body, "model": route.model_name}).encode(),
+            headers=headers,
+        )
+        try:
+            upstream = await self.client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise _unavailable(route.model_name, f"{type(exc).__name__}: {exc}") from exc
+        relayed = {k: v for k, v in upstream.headers.items() if k.lower() not in _DROPPED}
+        if upstream.headers.get("content-type", "").startswith("text/event-stream"):
+            return StreamingResponse(
+                _relay(upstream), status_code=upstream.status_code, headers=relayed
+            )
+        try:
+            content = await upstream.aread()
+        except httpx.HTTPError as exc:
+            raise _unavailable(route.model_name, f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            await upstream.aclose()
+        return Response(content, status_code=upstream.status_code, headers=relayed)
+
+
+async def _relay(upstream: httpx.Response) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in upstream.aiter_raw():
+            yield chunk
+    finally:
+        await upstream.aclose()
+
+
+def _unavailable(name: str, why: str) -> GatewayError:
+    return GatewayError(
+        503,
+        f"The endpoint serving `{name}` is not reachable right now ({why}); try again.",
+        "model_unavailable",
+        kind="server_error",
+        retry_after=1,
+    )

@@ -1,0 +1,105 @@
+"""The append-only event log of a job.
+
+A job row counts its events (`last_event_seq`); whoever appends advances that counter in
+the same statement that changes the job, and inserts the events with the numbers it got.
+The counter's row lock (Postgres) orders concurrent writers of one job's history.
+
+Which clock stamps an event, on every path: on Postgres the database's
+(`clock_timestamp()`, read while the inserting statement runs), so the log orders events
+as the database serialized their writes, whichever process or host wrote them; on SQLite
+the writing process's, read inside its write transaction (one process writes at a time).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, cast
+
+from sqlalchemy import ColumnElement, Table, func, insert, select, update
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+
+from app.db import utcnow
+from app.jobs.lifecycle import Event, EventType
+from app.models import JobEventRow, JobRow
+from app.schemas.jobs import JobEvent
+from app.webhooks import outbox
+
+Executor = AsyncConnection | AsyncSession
+job_events = cast(Table, JobEventRow.__table__)
+jobs = cast(Table, JobRow.__table__)
+
+
+def database_clock() -> ColumnElement[Any]:
+    """Postgres: the time the statement reads it (not the transaction's start)."""
+    return func.clock_timestamp()
+
+
+# Built once: the workers insert events for every job.
+_INSERT = {
+    "postgresql": insert(job_events).values(created_at=database_clock()),
+    "sqlite": insert(job_events),
+}
+
+
+def _dialect(executor: Executor) -> str:
+    if isinstance(executor, AsyncConnection):
+        return executor.dialect.name
+    return executor.get_bind().dialect.name
+
+
+async def add_events(
+    executor: Executor, job_id: str, last_seq: int, events: Sequence[Event]
+) -> None:
+    """Insert `events` as seqs `last_seq - len(events) + 1 .. last_seq`, and the webhook
+    deliveries of those that are webhook events (`app.webhooks.outbox`), in the caller's
+    transaction. On Postgres a trigger signals them to other processes when it commits."""
+    if not events:
+        return
+    dialect = _dialect(executor)
+    first = last_seq - len(events) + 1
+    rows: list[dict[str, Any]] = [
+        {"job_id": job_id, "seq": first + i, "type": type_.value, "data": data}
+        for i, (type_, data) in enumerate(events)
+    ]
+    if dialect != "postgresql":
+        now = utcnow()
+        for row in rows:
+            row["created_at"] = now
+    await executor.execute(_INSERT.get(dialect, _INSERT["sqlite"]), rows)
+    for i, (type_, _) in enumerate(events):
+        pair = outbox.reported(type_)
+        if pair is not None:
+            params = outbox.fan_out_params(job_id, first + i, pair, utcnow())
+            await executor.execute(outbox.fan_out(), params)
+
+
+async def append_event(executor: Executor, job_id: str, event: Event) -> int:
+    """Add one event inside the caller's transaction; returns its per-job sequence number."""
+    seq = (
+        await executor.execute(
+            update(jobs)
+            .where(jobs.c.id == job_id)
+            .values(last_event_seq=jobs.c.last_event_seq + 1)
+            .returning(jobs.c.last_event_seq)
+        )
+    ).scalar_one()
+    await add_events(executor, job_id, seq, [event])
+    return int(seq)
+
+
+async def list_events(
+    session: AsyncSession, job_id: str, *, after: int = 0, limit: int = 100
+) -> tuple[list[JobEvent], bool]:
+    rows = (
+        await session.scalars(
+            select(JobEventRow)
+            .where(JobEventRow.job_id == job_id, JobEventRow.seq > after)
+            .order_by(JobEventRow.seq)
+            .limit(limit + 1)
+        )
+    ).all()
+    events = [
+        JobEvent(seq=r.seq, type=EventType(r.type), created_at=r.created_at, data=r.data)
+        for r in rows[:limit]
+    ]
+    return events, len(rows) > limit

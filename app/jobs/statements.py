@@ -1,0 +1,353 @@
+"""The workers' hot statements, built once per shape with bound parameters: SQLAlchemy then
+reuses their cache keys and compiled SQL instead of rebuilding both for every job (building
+and cache-keying an UPDATE cost ~0.6 ms).
+
+Core tables, not ORM entities: these run per job and the ORM layer costs CPU here. On
+Postgres a claim and a final write are each one statement (data-modifying CTEs) that the
+worker runs outside a transaction, so it commits by itself: one round trip each.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, cast
+
+from sqlalchemy import (
+    ColumnElement,
+    Float,
+    Integer,
+    String,
+    Table,
+    Text,
+    and_,
+    bindparam,
+    case,
+    exists,
+    func,
+    insert,
+    literal,
+    literal_column,
+    select,
+    true,
+    update,
+)
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, distinct_on
+from sqlalchemy.sql.dml import ReturningUpdate, Update
+from sqlalchemy.sql.selectable import Select
+
+from app.jobs.events import database_clock
+from app.jobs.lifecycle import EventType, JobKind, JobStatus
+from app.models import JobEventRow, JobRow, ModelRow, WorkerRow
+from app.webhooks import outbox
+
+RUNNING = JobStatus.running.value
+QUEUED = JobStatus.queued.value
+jobs = cast(Table, JobRow.__table__)
+models = cast(Table, ModelRow.__table__)
+workers = cast(Table, WorkerRow.__table__)
+job_events = cast(Table, JobEventRow.__table__)
+_running = jobs.alias("running")
+RUN = JobKind.run.value
+# A run's row is running while its children are: it holds no model (migration 0007).
+_busy_models = select(_running.c.model_name).where(
+    _running.c.status == RUNNING, _running.c.kind != RUN
+)
+
+
+def guarded(*extra: Any) -> ColumnElement[bool]:
+    """The lease's job, still running under the same token."""
+    return and_(
+        jobs.c.id == bindparam("g_id"),
+        jobs.c.lease_token == bindparam("g_token"),
+        jobs.c.status == RUNNING,
+        *extra,
+    )
+
+
+def lease_clock(postgres: bool) -> ColumnElement[Any]:
+    """The clock leases run on: on Postgres the database's, so a worker host whose clock is
+    skewed can neither take a live job for dead nor hold a lease past its time; on SQLite
+    (one host) the writer's, bound as `g_now`."""
+    return database_clock() if postgres else bindparam("g_now")
+
+
+def _lease_until(postgres: bool) -> ColumnElement[Any]:
+    """When a lease taken or renewed now expires: `v_lease_seconds` from the lease clock
+    (SQLite: the writer computes it, bound as `v_expires`)."""
+    if not postgres:
+        return bindparam("v_expires")
+    seconds = bindparam("v_lease_seconds", type_=Float)
+    return database_clock() + literal_column("interval '1 second'") * seconds
+
+
+@functools.cache
+def job_update(
+    keys: tuple[str, ...], only_if_expired: bool, unless_cancel: bool, postgres: bool
+) -> ReturningUpdate[Any]:
+    """Set `v_<key>` on the lease's job and count `g_events` new events, returning the new
+    counter (and the id, for `write_in_one`); matches nothing once the lease is lost.
+    `only_if_expired`: only while the lease is expired by the lease clock (recovery: its
+    worker did not come back); `unless_cancel`: only if no cancel was asked."""
+    extra = []
+    if only_if_expired:
+        extra.append(jobs.c.lease_expires_at < lease_clock(postgres))
+    if unless_cancel:
+        extra.append(jobs.c.cancel_requested.is_(False))
+    values: dict[Any, Any] = {key: bindparam(f"v_{key}") for key in keys}
+    values |= {
+        "last_event_seq": jobs.c.last_event_seq + bindparam("g_events"),
+        "updated_at": bindparam("g_now"),
+    }
+    return (
+        update(jobs)
+        .where(guarded(*extra))
+        .values(values)
+        .returning(jobs.c.last_event_seq, jobs.c.id)
+    )
+
+
+@functools.cache
+def model_update(keys: tuple[str, ...]) -> Update:
+    return (
+        update(models)
+        .where(models.c.name == bindparam("m_name"))
+        .values({key: bindparam(f"m_{key}") for key in keys})
+    )
+
+
+@functools.cache
+def claim_query(postgres: bool = False) -> Select[Any]:
+    """A page of the oldest eligible queued jobs (due, their model not busy) with their
+    models, oldest first."""
+    query = (
+        select(
+            jobs.c.id,
+            jobs.c.model_name,
+            jobs.c.kind,
+            models.c.project,
+            models.c.base_model,
+            models.c.backend,
+            models.c.config,
+            models.c.current_step,
+            models.c.step_known,
+        )
+        .join(models, models.c.name == jobs.c.model_name)
+        .where(
+            jobs.c.status == QUEUED,
+            jobs.c.kind != RUN,  # runs are advanced by their driver, never claimed
+            jobs.c.not_before <= bindparam("now"),
+            jobs.c.model_name.not_in(_busy_models),
+        )
+        # Submission order, also for a retried job (its not_before only gates it).
+        .order_by(jobs.c.id)
+        .limit(bindparam("page"))
+    )
+    if postgres:
+        # Locking the model row too makes a concurrent claimer skip every job of a model
+        # that is being claimed right now, instead of colliding on the unique index.
+        query = query.with_for_update(skip_locked=True, of=(jobs, models))
+    return query
+
+
+@functools.cache
+def lease_state() -> Select[Any]:
+    """What settling a job whose worker is gone reads of it."""
+    return select(
+        jobs.c.id,
+        jobs.c.lease_token,
+        jobs.c.lease_owner,
+        jobs.c.model_name,
+        jobs.c.kind,
+        jobs.c.attempts,
+        jobs.c.start_step,
+        jobs.c.cancel_requested,
+        jobs.c.max_attempts,
+    )
+
+
+TAKE = (
+    update(jobs)
+    .where(jobs.c.id == bindparam("g_id"), jobs.c.status == QUEUED)
+    .values(
+        status=RUNNING,
+        lease_token=bindparam("v_token"),
+        lease_owner=bindparam("v_owner"),
+        lease_expires_at=bindparam("v_expires"),
+        attempts=jobs.c.attempts + 1,
+        started_at=bindparam("v_now"),
+        progress_step=0,
+        progress_total=None,
+        start_step=bindparam("v_start_step"),
+        last_event_seq=jobs.c.last_event_seq + 1,
+    )
+    .returning(
+        jobs.c.attempts,
+        jobs.c.last_event_seq,
+        jobs.c.payload,
+        jobs.c.payload_format,
+        jobs.c.payload_bytes,
+        jobs.c.hyperparameters,
+        jobs.c.max_attempts,
+        jobs.c.policy_step,
+        jobs.c.max_steps_off_policy,
+    )
+)
+
+
+@functools.cache
+def heartbeat(*, with_progress: bool, postgres: bool) -> ReturningUpdate[Any]:
+    values: dict[str, Any] = {
+        "lease_expires_at": _lease_until(postgres),
+        "last_event_seq": jobs.c.last_event_seq + bindparam("g_events"),
+    }
+    if with_progress:
+        values |= {"progress_step": bindparam("v_step"), "progress_total": bindparam("v_total")}
+    return (
+        update(jobs)
+        .where(guarded())
+        .values(values)
+        .returning(jobs.c.cancel_requested, jobs.c.last_event_seq)
+    )
+
+
+@functools.cache
+def write_in_one(
+    keys: tuple[str, ...],
+    only_if_expired: bool,
+    unless_cancel: bool,
+    model_keys: tuple[str, ...],
+    hooks: bool = False,
+) -> Select[Any]:
+    """Postgres: `job_update`, its events and `model_update` as one statement
+    (data-modifying CTEs). The events come as arrays and are numbered from the counter
+    the job update returned; the model is updated only if the job update matched.
+    `hooks`: some events are webhook events (`e_hooks`: each one's webhook type, or NULL):
+    their deliveries are inserted too, as `app.webhooks.outbox.fan_out` does."""
+    job = job_update(keys, only_if_expired, unless_cancel, postgres=True).cte("job")
+    event = (
+        func.unnest(
+            bindparam("e_types", type_=ARRAY(Text)),
+            bindparam("e_data", type_=ARRAY(Text)),
+            bindparam("e_hooks", type_=ARRAY(Text)),
+        )
+        .table_valued("type", "data", "hook", with_ordinality="ord")
+        .render_derived()
+        .alias("event")
+    )
+    seq = job.c.last_event_seq - bindparam("g_events", type_=Integer) + event.c.ord
+    numbered = select(
+        job.c.id,
+        seq,
+        event.c.type,
+        event.c.data.cast(JSONB),
+        database_clock(),  # see `claim_statement`
+    ).select_from(job.join(event, true()))
+    statement = select(job.c.last_event_seq).add_cte(
+        insert(job_events)
+        .from_select(["job_id", "seq", "type", "data", "created_at"], numbered)
+        .cte("events")
+    )
+    if hooks:
+        statement = statement.add_cte(_deliveries(job, event, seq).cte("deliveries"))
+    if model_keys:
+        matched = exists(select(job.c.id))
+        statement = statement.add_cte(model_update(model_keys).where(matched).cte("model"))
+    return statement
+
+
+def _deliveries(job: Any, event: Any, seq: ColumnElement[Any]) -> Any:
+    """The outbox rows of a one-statement final write: per webhook event, one per enabled
+    endpoint subscribed to it."""
+    subs, endpoints = outbox.subscriptions, outbox.endpoints
+    now = database_clock()
+    rows = select(
+        subs.c.endpoint_id,
+        literal("msg_", String) + job.c.id + literal("_", String) + seq.cast(Text),
+        subs.c.event_type,
+        job.c.id,
+        seq,
+        literal(outbox.PENDING, String),
+        literal(0, Integer),
+        now,
+        now,
+    ).select_from(
+        job.join(event, true())
+        .join(subs, subs.c.event_type == event.c.hook)
+        .join(endpoints, and_(endpoints.c.id == subs.c.endpoint_id, endpoints.c.enabled))
+    )
+    return insert(outbox.deliveries).from_select(outbox.COLUMNS, rows)
+
+
+@functools.cache
+def claim_statement() -> Select[Any]:
+    """Postgres: `SqliteStore._claim_once`'s look, `TAKE` and the claim events as one
+    statement.
+
+    The oldest eligible jobs are locked with their models (SKIP LOCKED: rows another
+    claimer holds are passed over), the oldest job of each model is taken, up to
+    `wanted`, each with its own lease token (md5 of a per-statement secret and the id),
+    and each gets its `job_claimed` event. `candidates` tells whether the page was full.
+    """
+    candidate = claim_query(postgres=True).cte("candidate")
+    first = (
+        select(candidate)
+        .ext(distinct_on(candidate.c.model_name))
+        .order_by(candidate.c.model_name, candidate.c.id)
+        .cte("first")
+    )
+    picked = (select(first).order_by(first.c.id).limit(bindparam("wanted"))).cte("picked")
+    owner = bindparam("v_owner", type_=String)
+    # The database's clock, read while the statement runs (not the worker's, read before
+    # sending it): a claim that saw the model's previous job end is stamped after that
+    # job's last event, so the event log orders them as the database did.
+    now = database_clock()
+    taken = (
+        update(jobs)
+        .where(jobs.c.id == picked.c.id, jobs.c.status == QUEUED)
+        .values(
+            status=RUNNING,
+            lease_token=func.md5(bindparam("v_secret", type_=String) + jobs.c.id),
+            lease_owner=owner,
+            lease_expires_at=_lease_until(postgres=True),
+            attempts=jobs.c.attempts + 1,
+            started_at=now,
+            progress_step=0,
+            progress_total=None,
+            start_step=case((picked.c.step_known, picked.c.current_step)),
+            last_event_seq=jobs.c.last_event_seq + 1,
+        )
+        .returning(
+            jobs.c.id,
+            jobs.c.model_name,
+            jobs.c.kind,
+            jobs.c.lease_token,
+            jobs.c.attempts,
+            jobs.c.last_event_seq,
+            jobs.c.start_step,
+            jobs.c.payload,
+            jobs.c.payload_format,
+            jobs.c.payload_bytes,
+            jobs.c.hyperparameters,
+            jobs.c.max_attempts,
+            jobs.c.policy_step,
+            jobs.c.max_steps_off_policy,
+            picked.c.project,
+            picked.c.base_model,
+            picked.c.backend,
+            picked.c.config,
+        )
+        .cte("taken")
+    )
+    claimed_event = func.jsonb_build_object("worker", owner, "attempt", taken.c.attempts)
+    events = insert(job_events).from_select(
+        ["job_id", "seq", "type", "data", "created_at"],
+        select(
+            taken.c.id,
+            taken.c.last_event_seq,
+            literal(EventType.job_claimed.value, String),
+            claimed_event,
+            now,
+        ),
+    )
+    candidates = select(func.count()).select_from(candidate).scalar_subquery()
+    return select(taken, candidates.label("candidates")).add_cte(events.cte("claimed"))

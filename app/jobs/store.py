@@ -1,0 +1,590 @@
+"""The queue store: the database side of the job lifecycle, and the only code that writes a
+job's status or its events.
+
+`QueueStore` holds the dialect-neutral algorithm (heartbeats, start records, recovery
+reads, the transaction form of a final write) and `store_for` picks its dialect once,
+where the engine is built: `SqliteStore` takes jobs inside one `BEGIN IMMEDIATE`
+transaction (one process writes); `PostgresStore` makes the hot path, a claim and a final
+write, one statement each (`app.jobs.statements`), run outside a transaction so it commits
+by itself. Paths that are not hot (enqueueing, cancel, a child job) have one
+implementation for both.
+
+Every write to a running job is guarded by its lease token: a worker that lost its lease
+(another recovered the job) matches zero rows, and stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from datetime import datetime, timedelta
+from typing import Any, ClassVar, cast
+
+from sqlalchemy import Row, insert, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
+
+from app.backends.base import ModelSpec
+from app.db import is_unavailable, json_dumps, utcnow, write_connection
+from app.jobs import statements
+from app.jobs.events import Executor, add_events, append_event
+from app.jobs.lifecycle import (
+    Cancelled,
+    Event,
+    EventType,
+    FinalWrite,
+    JobKind,
+    JobStatus,
+    JobUpdate,
+    ModelUpdate,
+    NewJob,
+    Outcome,
+    Retry,
+    plan,
+)
+from app.jobs.payloads import Payload
+from app.jobs.statements import RUNNING, jobs, models, workers
+from app.models import JobRow
+from app.webhooks.outbox import webhook_type
+
+log = logging.getLogger(__name__)
+# How long a final write keeps trying while the database is away.
+FINAL_WRITE_RETRY_SECONDS = 15.0
+# Times a claim looks again after colliding with another worker's on the same model.
+CLAIM_COLLISIONS = 8
+
+
+@dataclass(frozen=True)
+class Lease:
+    job_id: str
+    token: str
+    owner: str
+    model_name: str
+    kind: JobKind
+    attempt: int
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A claimed job with all a worker needs to run it, read in the claiming statement."""
+
+    lease: Lease
+    model: ModelSpec
+    backend: str
+    payload: Payload
+    hyperparameters: dict[str, Any]
+    max_attempts: int
+    # The model's step as recorded with the claim (None: not known; the worker reads the
+    # backend's and records it before training). Recovery compares the backend against it.
+    start_step: int | None = None
+    # Where the trajectories came from, and how stale they may be (see TrainingJobCreate).
+    policy_step: int | None = None
+    max_steps_off_policy: int | None = None
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    alive: bool  # False: the lease is gone, stop and discard the work
+    cancel_requested: bool
+
+
+@dataclass(frozen=True)
+class LeaseState:
+    """What settling a job whose worker is gone needs to know of it."""
+
+    lease: Lease
+    start_step: int | None
+    cancel_requested: bool
+    max_attempts: int
+
+
+# -- new jobs (both dialects) ---------------------------------------------------------------
+
+
+def new_job_id() -> str:
+    """Time-ordered ids, so listing newest-first is an index scan on the primary key."""
+    return f"job_{time.time_ns() // 1000:014x}{secrets.token_hex(5)}"
+
+
+def new_job(
+    kind: JobKind,
+    *,
+    model: str,
+    payload: Payload,
+    summary: dict[str, Any],
+    request_hash: str,
+    max_attempts: int,
+    hyperparameters: dict[str, Any] | None = None,
+    metadata: dict[str, Any] | None = None,
+    idempotency_key: str | None = None,
+    policy_step: int | None = None,
+    max_steps_off_policy: int | None = None,
+    queued_event: dict[str, Any] | None = None,
+    job_id: str | None = None,
+) -> NewJob:
+    """The one factory of job rows, for every creator (the API, a job's child, a run).
+    `job_id`: a given id (a run's children have deterministic ones); default a new one."""
+    return NewJob(
+        id=job_id or new_job_id(),
+        kind=kind,
+        model_name=model,
+        payload=payload.data,
+        payload_format=payload.format,
+        payload_bytes=payload.size,
+        hyperparameters=hyperparameters or {},
+        metadata=metadata or {},
+        summary=summary,
+        request_hash=request_hash,
+        max_attempts=max_attempts,
+        created_at=utcnow(),
+        idempotency_key=idempotency_key,
+        policy_step=policy_step,
+        max_steps_off_policy=max_steps_off_policy,
+        queued_event=queued_event if queued_event is not None else {"summary": summary},
+    )
+
+
+def _row_values(job: NewJob) -> dict[str, Any]:
+    values = asdict(job)
+    del values["queued_event"]
+    return values | {
+        "kind": job.kind.value,
+        "status": JobStatus.queued.value,
+        "attempts": 0,
+        "not_before": job.created_at,
+        "updated_at": job.created_at,
+        "progress_step": 0,
+        "cancel_requested": False,
+        "recovered": False,
+        "last_event_seq": 1,  # its first event, job_queued
+    }
+
+
+async def enqueue(executor: Executor, job: NewJob) -> JobRow:
+    """Insert a queued job and its `job_queued` event in the caller's transaction; returns
+    the row as a read would (no second query). An IntegrityError means its idempotency key
+    is taken."""
+    await executor.execute(insert(jobs).values(_row_values(job)))
+    await add_events(executor, job.id, 1, [(EventType.job_queued, job.queued_event)])
+    return JobRow(
+        id=job.id,
+        kind=job.kind.value,
+        model_name=job.model_name,
+        status=JobStatus.queued.value,
+        hyperparameters=job.hyperparameters,
+        meta=job.metadata,
+        summary=job.summary,
+        attempts=0,
+        max_attempts=job.max_attempts,
+        cancel_requested=False,
+        progress_step=0,
+        policy_step=job.policy_step,
+        max_steps_off_policy=job.max_steps_off_policy,
+        created_at=job.created_at,
+    )
+
+
+async def request_cancel(session: AsyncSession, job: JobRow) -> None:
+    """Queued: cancelled now. Running: flagged; its worker interrupts it and applies the
+    outcome. Caller holds the row (`FOR UPDATE`) in a write transaction and checked that
+    the job is not final."""
+    if job.status == JobStatus.queued:
+        job.status = JobStatus.cancelled.value
+        job.finished_at = utcnow()
+        await session.flush()
+        await append_event(session, job.id, (EventType.job_cancelled, {"while": "queued"}))
+    elif not job.cancel_requested:
+        job.cancel_requested = True
+        await session.flush()
+        await append_event(session, job.id, (EventType.cancel_requested, {}))
+
+
+# -- the store ------------------------------------------------------------------------------
+
+
+def _lease_params(lease: Lease) -> dict[str, Any]:
+    return {"g_id": lease.job_id, "g_token": lease.token}
+
+
+def _write_params(
+    lease: Lease, values: JobUpdate, events: Sequence[Event]
+) -> tuple[tuple[str, ...], dict[str, Any]]:
+    columns = cast(dict[str, Any], values)
+    keys = tuple(sorted(columns))
+    params = {f"v_{key}": columns[key] for key in keys}
+    params |= _lease_params(lease) | {"g_events": len(events), "g_now": utcnow()}
+    return keys, params
+
+
+def _model_params(name: str, values: ModelUpdate) -> tuple[tuple[str, ...], dict[str, Any]]:
+    columns = cast(dict[str, Any], values)
+    keys = tuple(sorted(columns))
+    return keys, {"m_name": name} | {f"m_{key}": columns[key] for key in keys}
+
+
+def _claim(
+    look: Row[Any], taken: Row[Any], *, token: str, owner: str, start_step: int | None
+) -> Claim:
+    """`look`: the job's id, kind and model as the claim read them; `taken`: the taken job
+    (on Postgres, one row holds both)."""
+    return Claim(
+        lease=Lease(look.id, token, owner, look.model_name, JobKind(look.kind), taken.attempts),
+        model=ModelSpec(look.model_name, look.project, look.base_model, look.config),
+        backend=look.backend,
+        payload=Payload(taken.payload_format, taken.payload, taken.payload_bytes),
+        hyperparameters=taken.hyperparameters,
+        max_attempts=taken.max_attempts,
+        start_step=start_step,
+        policy_step=taken.policy_step,
+        max_steps_off_policy=taken.max_steps_off_policy,
+    )
+
+
+class QueueStore(ABC):
+    """Claims, leases and guarded writes. Subclasses override only what differs per
+    dialect: `claim`, the one-statement final write, and the clock leases run on
+    (`statements.lease_clock`)."""
+
+    postgres: ClassVar[bool] = False
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    def _lease_for(self, seconds: float) -> dict[str, Any]:
+        """Parameters of a lease taken or renewed now for `seconds`."""
+        if self.postgres:
+            return {"v_lease_seconds": seconds}
+        return {"v_expires": utcnow() + timedelta(seconds=seconds)}
+
+    @abstractmethod
+    async def claim(self, *, owner: str, lease_seconds: float, limit: int = 1) -> list[Claim]:
+        """Take up to `limit` of the oldest eligible queued jobs, at most one per model.
+        Never two running jobs per model. Fewer than `limit`: no other job is eligible."""
+
+    async def heartbeat(
+        self,
+        lease: Lease,
+        *,
+        lease_seconds: float,
+        progress: tuple[int, int | None] | None = None,
+        events: Sequence[Event] = (),
+    ) -> Heartbeat:
+        """Extend the lease, record progress and events, learn whether cancel was asked."""
+        params = _lease_params(lease) | self._lease_for(lease_seconds)
+        params |= {"g_events": len(events), "g_now": utcnow()}
+        if progress is not None:
+            params["v_step"], params["v_total"] = progress
+        async with write_connection(self.engine) as conn:
+            statement = statements.heartbeat(
+                with_progress=progress is not None, postgres=self.postgres
+            )
+            row = (await conn.execute(statement, params)).one_or_none()
+            if row is None:
+                return Heartbeat(alive=False, cancel_requested=False)
+            await add_events(conn, lease.job_id, row.last_event_seq, events)
+            return Heartbeat(alive=True, cancel_requested=row.cancel_requested)
+
+    async def record_start(self, lease: Lease, *, start_step: int, event: Event) -> bool:
+        """Write the model's step, as the backend just reported it, before the work:
+        recovery compares against it. The model row learns it too, so later claims record
+        it at once. False: the lease was lost."""
+        async with write_connection(self.engine) as conn:
+            job = JobUpdate(start_step=start_step)
+            if await self._write_job(conn, lease, job, [event]) is None:
+                return False
+            model = ModelUpdate(current_step=start_step, step_known=True)
+            await self._write_model(conn, lease.model_name, model)
+            return True
+
+    async def apply(
+        self,
+        lease: Lease,
+        outcome: Outcome,
+        *,
+        earlier: Sequence[Event] = (),
+        only_if_expired: bool = False,
+    ) -> JobStatus | None:
+        """Apply a run's outcome in one write, guarded by the lease token. Returns the
+        status written; None when the lease was lost.
+
+        `only_if_expired` (recovery): write only if the lease is still expired by the
+        lease clock, i.e. its worker did not come back and renew it meanwhile. A retry that
+        finds a cancel asked meanwhile cancels the job instead.
+        """
+        written = await self._apply(lease, outcome, earlier, only_if_expired)
+        if written is None and isinstance(outcome, Retry):
+            cancelled = Cancelled("retrying", error=outcome.error)
+            written = await self._apply(lease, cancelled, earlier, only_if_expired)
+        return written
+
+    async def _apply(
+        self, lease: Lease, outcome: Outcome, earlier: Sequence[Event], only_if_expired: bool
+    ) -> JobStatus | None:
+        write = plan(lease.kind, outcome, attempt=lease.attempt, now=utcnow(), earlier=earlier)
+        return write.status if await self._final(lease, write, only_if_expired) else None
+
+    async def _final(self, lease: Lease, write: FinalWrite, only_if_expired: bool) -> bool:
+        # A database that is away for a moment (restart, failover, a busy SQLite file) must
+        # not cost a finished job its result: try again for a while. Safe to repeat: once a
+        # write committed, the lease token is gone and a repeat matches nothing.
+        delay, deadline = 0.1, time.monotonic() + FINAL_WRITE_RETRY_SECONDS
+        while True:
+            try:
+                return await self._final_once(lease, write, only_if_expired)
+            except Exception as exc:
+                if not is_unavailable(exc) or time.monotonic() + delay > deadline:
+                    raise
+                log.warning("job %s: final write failed (%s); retrying", lease.job_id, exc)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 2.0)
+
+    async def _final_once(self, lease: Lease, write: FinalWrite, only_if_expired: bool) -> bool:
+        """The transaction form: guarded job update and events, a child job, the model."""
+        async with write_connection(self.engine) as conn:
+            seq = await self._write_job(
+                conn,
+                lease,
+                write.job,
+                write.events,
+                only_if_expired=only_if_expired,
+                unless_cancel_requested=write.unless_cancel_requested,
+            )
+            if seq is None:
+                return False
+            if write.child is not None:
+                await enqueue(conn, write.child)
+            if write.model:
+                await self._write_model(conn, lease.model_name, write.model)
+            return True
+
+    async def _write_job(
+        self,
+        conn: AsyncConnection,
+        lease: Lease,
+        values: JobUpdate,
+        events: Sequence[Event],
+        *,
+        only_if_expired: bool = False,
+        unless_cancel_requested: bool = False,
+    ) -> int | None:
+        """Guarded update of a running job that also numbers its new events; None if
+        nothing matched (the lease is lost)."""
+        keys, params = _write_params(lease, values, events)
+        statement = statements.job_update(
+            keys, only_if_expired, unless_cancel_requested, self.postgres
+        )
+        seq = (await conn.execute(statement, params)).scalar_one_or_none()
+        if seq is not None:
+            await add_events(conn, lease.job_id, seq, events)
+        return cast(int | None, seq)
+
+    async def _write_model(self, conn: AsyncConnection, name: str, values: ModelUpdate) -> None:
+        keys, params = _model_params(name, values)
+        await conn.execute(statements.model_update(keys), params)
+
+    async def set_inference(self, name: str, *, base_url: str | None, model_name: str) -> None:
+        """Where a model is served (the step stays the jobs' to write)."""
+        async with write_connection(self.engine) as conn:
+            values = ModelUpdate(inference_base_url=base_url, inference_model_name=model_name)
+            await self._write_model(conn, name, values)
+
+    async def expired(self, *, limit: int = 20) -> list[LeaseState]:
+        """Running jobs whose worker stopped renewing its lease (by the lease clock)."""
+        now = statements.lease_clock(self.postgres)
+        query = (
+            statements.lease_state()
+            .where(jobs.c.status == RUNNING, jobs.c.lease_expires_at < now)
+            .order_by(jobs.c.lease_expires_at)
+            .limit(limit)
+        )
+        async with self.engine.connect() as conn:
+            rows = await conn.execute(query, {"g_now": utcnow()})
+            return [_lease_state(row) for row in rows]
+
+    async def lease_state(self, lease: Lease) -> LeaseState | None:
+        """The job held by `lease`, if the lease still holds."""
+        query = statements.lease_state().where(
+            jobs.c.id == lease.job_id, jobs.c.lease_token == lease.token
+        )
+        async with self.engine.connect() as conn:
+            row = (await conn.execute(query)).one_or_none()
+        return None if row is None else _lease_state(row)
+
+    async def model_spec(self, name: str) -> tuple[ModelSpec, str]:
+        """A model's spec and its backend's name."""
+        query = select(
+            models.c.project, models.c.base_model, models.c.config, models.c.backend
+        ).where(models.c.name == name)
+        async with self.engine.connect() as conn:
+            row = (await conn.execute(query)).one()
+        return ModelSpec(name, row.project, row.base_model, row.config), row.backend
+
+    async def beat_worker(
+        self, *, worker_id: str, hostname: str, pid: int, stopped: bool = False
+    ) -> None:
+        now = utcnow()
+        values: dict[str, Any] = {"heartbeat_at": now}
+        if stopped:
+            values["stopped_at"] = now
+        async with write_connection(self.engine) as conn:
+            result = await conn.execute(
+                update(workers).where(workers.c.id == worker_id).values(**values)
+            )
+            if result.rowcount == 0:
+                await conn.execute(
+                    insert(workers).values(
+                        id=worker_id, hostname=hostname, pid=pid, started_at=now, **values
+                    )
+                )
+
+
+def _lease_state(row: Row[Any]) -> LeaseState:
+    lease = Lease(
+        row.id,
+        row.lease_token or "",
+        row.lease_owner or "",
+        row.model_name,
+        JobKind(row.kind),
+        row.attempts,
+    )
+    return LeaseState(lease, row.start_step, row.cancel_requested, row.max_attempts)
+
+
+class SqliteStore(QueueStore):
+    """One process writes: a claim looks and takes inside one BEGIN IMMEDIATE transaction."""
+
+    async def claim(self, *, owner: str, lease_seconds: float, limit: int = 1) -> list[Claim]:
+        for _ in range(CLAIM_COLLISIONS):
+            try:
+                async with write_connection(self.engine) as conn:
+                    return await self._claim_once(
+                        conn, owner=owner, lease_seconds=lease_seconds, limit=limit
+                    )
+            except IntegrityError:
+                # Another worker started a job of the same model between our read and write
+                # (the partial unique index refused ours); look again.
+                continue
+        return []
+
+    async def _claim_once(
+        self, conn: AsyncConnection, *, owner: str, lease_seconds: float, limit: int
+    ) -> list[Claim]:
+        now = utcnow()
+        query = statements.claim_query()
+        claims: list[Claim] = []
+        while len(claims) < limit:
+            wanted = limit - len(claims)
+            rows = (await conn.execute(query, {"now": now, "page": wanted * 4})).all()
+            picked: dict[str, Row[Any]] = {}
+            for row in rows:
+                picked.setdefault(row.model_name, row)
+                if len(picked) == wanted:
+                    break
+            for row in picked.values():
+                claims.append(
+                    await self._take(conn, row, owner=owner, now=now, lease_seconds=lease_seconds)
+                )
+            if len(rows) < wanted * 4:
+                break  # every eligible job was seen; fewer than `limit` means none is left
+            # The page held several jobs of one model: look past them (the models just
+            # claimed are busy now, so they drop out).
+        return claims
+
+    async def _take(
+        self,
+        conn: AsyncConnection,
+        row: Row[Any],
+        *,
+        owner: str,
+        now: datetime,
+        lease_seconds: float,
+    ) -> Claim:
+        token = secrets.token_hex(16)
+        # Nothing trained the model since a worker last read its step from the backend (the
+        # model row is locked with this claim): that step is where this job starts.
+        start_step = row.current_step if row.step_known else None
+        params = {
+            "g_id": row.id,
+            "v_token": token,
+            "v_owner": owner,
+            "v_expires": now + timedelta(seconds=lease_seconds),
+            "v_now": now,
+            "v_start_step": start_step,
+        }
+        job = (await conn.execute(statements.TAKE, params)).one()
+        claimed = {"worker": owner, "attempt": job.attempts}
+        await add_events(conn, row.id, job.last_event_seq, [(EventType.job_claimed, claimed)])
+        return _claim(row, job, token=token, owner=owner, start_step=start_step)
+
+
+class PostgresStore(QueueStore):
+    """Many processes: a claim and a final write are one statement each, outside a
+    transaction, each committed by itself in one round trip. Leases run on the database's
+    clock."""
+
+    postgres = True
+
+    async def claim(self, *, owner: str, lease_seconds: float, limit: int = 1) -> list[Claim]:
+        """Each look is one statement (`statements.claim_statement`), so what one look
+        claimed stays claimed if a later look collides."""
+        claims: list[Claim] = []
+        collisions = 0
+        async with self.engine.connect() as conn:
+            conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
+            while len(claims) < limit:
+                wanted = limit - len(claims)
+                now = utcnow()
+                params = {
+                    "now": now,
+                    "page": wanted * 4,
+                    "wanted": wanted,
+                    "v_secret": secrets.token_hex(16),
+                    "v_owner": owner,
+                    "v_lease_seconds": lease_seconds,
+                }
+                try:
+                    rows = (await conn.execute(statements.claim_statement(), params)).all()
+                except IntegrityError:
+                    collisions += 1  # as in SqliteStore: another worker, same model
+                    if collisions == CLAIM_COLLISIONS:
+                        break
+                    continue
+                for row in sorted(rows, key=lambda r: r.id):
+                    claims.append(
+                        _claim(
+                            row, row, token=row.lease_token, owner=owner, start_step=row.start_step
+                        )
+                    )
+                if not rows or rows[0].candidates < wanted * 4:
+                    break  # every eligible job was seen (see `SqliteStore._claim_once`)
+        return claims
+
+    async def _final_once(self, lease: Lease, write: FinalWrite, only_if_expired: bool) -> bool:
+        if write.child is not None:
+            return await super()._final_once(lease, write, only_if_expired)
+        # One statement outside a transaction, so it commits by itself: one round trip
+        # where BEGIN, three statements and COMMIT took five.
+        keys, params = _write_params(lease, write.job, write.events)
+        model_keys, model_params = _model_params(lease.model_name, write.model or ModelUpdate())
+        hooks = [webhook_type(type_, lease.kind) for type_, _ in write.events]
+        statement = statements.write_in_one(
+            keys, only_if_expired, write.unless_cancel_requested, model_keys, any(hooks)
+        )
+        params |= model_params | {
+            "e_types": [type_.value for type_, _ in write.events],
+            "e_data": [json_dumps(data) for _, data in write.events],
+            "e_hooks": hooks,
+        }
+        async with self.engine.connect() as conn:
+            conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
+            return (await conn.execute(statement, params)).scalar_one_or_none() is not None
+
+
+def store_for(engine: AsyncEngine) -> QueueStore:
+    """The store of the engine's dialect, chosen once where the engine is built."""
+    return PostgresStore(engine) if engine.dialect.name == "postgresql" else SqliteStore(engine)

@@ -1,0 +1,335 @@
+"""Training runs: accept, show, pause, resume, cancel, and their curves (`run_metrics`).
+
+A run is a `jobs` row of kind `run` with its schedule's state in `runs`; the driver
+(`app.runs.driver`) advances it between its child jobs. Everything here is a short
+transaction of the API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import secrets
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from app.backends import SPECS
+from app.datasets import decode_splits, get_dataset
+from app.db import begin_write, utcnow
+from app.egress import EgressPolicy
+from app.errors import ConflictError, InvalidInputError, field_errors
+from app.jobs.events import append_event
+from app.jobs.lifecycle import EventType, JobKind, JobStatus
+from app.jobs.service import enqueue_once, get_job, replay
+from app.jobs.store import new_job
+from app.models import JobRow, ModelRow, RunMetricRow, RunRow
+from app.rollouts.graders import NEEDS_EXPECTED
+from app.runs import spec
+from app.runs.schedule import initial_state, waiting_id
+from app.schemas.jobs import JobError
+from app.schemas.rollouts import refused_destinations
+from app.schemas.runs import (
+    BestCheckpoint,
+    DatasetRef,
+    Run,
+    RunCreate,
+    RunMetric,
+    RunProgress,
+)
+from app.settings import Settings
+from app.training.service import hyperparameters_of
+
+RUN = JobKind.run
+
+
+@dataclass(frozen=True)
+class Prepared:
+    body: RunCreate
+    request_hash: str
+
+
+def prepare(body: RunCreate, raw: bytes, settings: Settings) -> Prepared:
+    return Prepared(body, hashlib.sha256(raw).hexdigest())
+
+
+def new_run_id() -> str:
+    """Time-ordered like job ids; its children's ids derive from it."""
+    return f"run_{time.time_ns() // 1000:014x}{secrets.token_hex(5)}"
+
+
+# Inline examples above this count are split and encoded off the event loop.
+THREAD_EXAMPLES = 500
+
+
+async def _examples(
+    session: AsyncSession, body: RunCreate, errors: list[dict[str, Any]]
+) -> tuple[dict[str, list[dict[str, Any]]], DatasetRef | None]:
+    """The run's examples by split (inline or the dataset's), and the dataset reference
+    with its validation split resolved."""
+    if body.examples is not None:
+        examples = body.examples
+        if len(examples) > THREAD_EXAMPLES:
+            return await asyncio.to_thread(spec.split_examples, examples), None
+        return spec.split_examples(examples), None
+    assert body.dataset is not None
+    ref = body.dataset
+    try:
+        row = await get_dataset(session, ref.id)
+    except Exception:
+        errors.append(
+            {"loc": ("dataset", "id"), "msg": "no such dataset", "type": "unknown_dataset"}
+        )
+        return {}, ref
+    await session.refresh(row, ["payload"])
+    splits = await decode_splits(row.payload, row.payload_bytes)
+    if ref.validation_split is None and body.validation is not None:
+        ref = ref.model_copy(update={"validation_split": "validation"})
+    return splits, ref
+
+
+def _split_errors(
+    body: RunCreate, splits: dict[str, list[dict[str, Any]]], ref: DatasetRef | None
+) -> list[dict[str, Any]]:
+    train = ref.train_split if ref else "train"
+    validation = (ref.validation_split if ref else "validation") if body.validation else None
+    at = ("dataset",) if ref else ("examples",)
+    errors: list[dict[str, Any]] = []
+    for name, field in ((train, "train_split"), (validation, "validation_split")):
+        if name is not None and not splits.get(name):
+            loc = (*at, field) if ref else at
+            have = ", ".join(sorted(splits)) or "none"
+            errors.append(
+                {
+                    "loc": loc,
+                    "msg": f"no examples in split {name!r} (splits: {have})",
+                    "type": "missing_split",
+                }
+            )
+    grader = body.recipe.grader
+    if grader is None or grader.type not in NEEDS_EXPECTED:
+        return errors
+    msg = f"the {grader.type} grader needs it"
+    used = {name for name in (train, validation) if name is not None}
+    if body.examples is not None:
+        for i, example in enumerate(body.examples):
+            if example.split in used and example.expected is None:
+                errors.append({"loc": ("examples", i, "expected"), "msg": msg, "type": "missing"})
+        return errors[:100]
+    for name in sorted(used):
+        lacking = sum(1 for e in splits.get(name, []) if e.get("expected") is None)
+        if lacking:
+            errors.append(
+                {
+                    "loc": ("dataset", "id"),
+                    "msg": f"{lacking} example(s) of split {name!r} have no `expected`: {msg}",
+                    "type": "missing",
+                }
+            )
+    return errors
+
+
+async def create_run(
+    session: AsyncSession,
+    *,
+    job: Prepared,
+    idempotency_key: str | None,
+    settings: Settings,
+) -> tuple[JobRow, bool]:
+    """Store a run, its spec and its state (queued); (row, replayed)."""
+    body = job.body
+    await begin_write(session)
+    if idempotency_key is not None:
+        earlier = await replay(session, idempotency_key, job.request_hash)
+        if earlier is not None:
+            return earlier, True
+    errors: list[dict[str, Any]] = []
+    model = await session.get(ModelRow, body.model)
+    hyperparameters: dict[str, Any] = {}
+    if model is None:
+        errors.append({"loc": ("model",), "msg": "no such model", "type": "unknown_model"})
+    elif not SPECS[model.backend].serves:
+        msg = f"backend {model.backend!r} serves no model to sample"
+        errors.append({"loc": ("model",), "msg": msg, "type": "not_served"})
+    else:
+        hyperparameters, bad = hyperparameters_of(model.backend, body.hyperparameters)
+        errors += bad
+    policy = EgressPolicy.from_settings(settings)
+    errors += refused_destinations(body.recipe.agent, body.recipe.grader, policy, at=("recipe",))
+    splits, ref = await _examples(session, body, errors)
+    if not errors:
+        errors += _split_errors(body, splits, ref)
+    if errors:
+        raise InvalidInputError(
+            f"{len(errors)} problem(s) in the request; nothing was stored",
+            errors=field_errors(errors),
+        )
+    train_split = ref.train_split if ref else "train"
+    validation_split = ref.validation_split if ref else "validation"
+    num_validation = len(splits.get(validation_split or "", [])) if body.validation else 0
+    stored = spec.RunSpec.of(
+        body,
+        hyperparameters=hyperparameters,
+        num_train=len(splits[train_split]),
+        num_validation=num_validation,
+        dataset=ref,
+        examples=splits if body.examples is not None else None,
+    )
+    if len(body.examples or ()) > THREAD_EXAMPLES:
+        payload = await asyncio.to_thread(spec.encode, stored)
+    else:
+        payload = spec.encode(stored)
+    run_id = new_run_id()
+    new = new_job(
+        RUN,
+        job_id=run_id,
+        model=body.model,
+        payload=payload,
+        hyperparameters=hyperparameters,
+        metadata=body.metadata,
+        summary={"dataset": ref.id if ref else None, "num_train": stored.num_train},
+        request_hash=job.request_hash,
+        max_attempts=1,
+        idempotency_key=idempotency_key,
+        queued_event={"num_train": stored.num_train, "num_validation": num_validation},
+    )
+    row, again = await enqueue_once(session, new, idempotency_key)
+    if again:
+        return row, True
+    session.add(
+        RunRow(
+            id=run_id, version=0, paused=False, state=initial_state(stored.plan()), waiting_on=None
+        )
+    )
+    await session.flush()
+    return row, False
+
+
+async def get_run(
+    session: AsyncSession, run_id: str, *, for_update: bool = False
+) -> tuple[JobRow, RunRow]:
+    job = await get_job(session, run_id, kind=RUN, for_update=for_update)
+    state = await session.get(RunRow, run_id, with_for_update=for_update or None)
+    assert state is not None
+    return job, state
+
+
+async def set_paused(session: AsyncSession, run_id: str, *, paused: bool) -> tuple[JobRow, RunRow]:
+    """Pause: no new child job starts (the one under way finishes). Resume: go on."""
+    await begin_write(session)
+    job, run = await get_run(session, run_id, for_update=True)
+    status = JobStatus(job.status)
+    if status.is_final:
+        verb = "paused" if paused else "resumed"
+        raise ConflictError(f"run {run_id} already {status.value}; it cannot be {verb}")
+    if run.paused != paused:
+        run.paused = paused
+        run.version += 1
+        event = EventType.run_paused if paused else EventType.run_resumed
+        await session.flush()
+        await append_event(session, run_id, (event, {"step": run.state.get("step", 0)}))
+    return job, run
+
+
+async def list_runs(
+    session: AsyncSession,
+    *,
+    status: JobStatus | None,
+    model: str | None,
+    after: str | None,
+    limit: int,
+) -> tuple[list[tuple[JobRow, RunRow]], bool]:
+    query = (
+        select(JobRow, RunRow)
+        .join(RunRow, RunRow.id == JobRow.id)
+        .where(JobRow.kind == RUN.value)
+        .order_by(JobRow.id.desc())
+        .limit(limit + 1)
+    )
+    if status is not None:
+        query = query.where(JobRow.status == status.value)
+    if model is not None:
+        query = query.where(JobRow.model_name == model)
+    if after:
+        query = query.where(JobRow.id < after)
+    rows = [(job, run) for job, run in (await session.execute(query)).all()]
+    return rows[:limit], len(rows) > limit
+
+
+async def metrics(
+    session: AsyncSession, run_id: str, *, after: int, limit: int, kind: str | None
+) -> tuple[list[RunMetric], bool]:
+    await get_job(session, run_id, kind=RUN)
+    query = (
+        select(RunMetricRow)
+        .where(RunMetricRow.run_id == run_id, RunMetricRow.seq > after)
+        .order_by(RunMetricRow.seq)
+        .limit(limit + 1)
+    )
+    if kind is not None:
+        query = query.where(RunMetricRow.kind == kind)
+    rows = list((await session.scalars(query)).all())
+    items = [
+        RunMetric(
+            seq=r.seq,
+            kind=r.kind,
+            step=r.step,
+            epoch=r.data.get("epoch"),
+            data={k: v for k, v in r.data.items() if k != "epoch"},
+            created_at=r.created_at,
+        )
+        for r in rows[:limit]
+    ]
+    return items, len(rows) > limit
+
+
+def to_wire(job: JobRow, run: RunRow) -> Run:
+    state: dict[str, Any] = run.state or {}
+    status = JobStatus(job.status)
+    step, total = int(state.get("step", 0)), int(state.get("total_steps", 0))
+    phase = state.get("phase", "rollout")
+    if status is JobStatus.queued:
+        phase = "queued"
+    elif status.is_final:
+        phase = "done"
+    elif run.paused:
+        phase = "paused"
+    best = state.get("best")
+    waiting = waiting_id(job.id, state) if not status.is_final else None
+    return Run(
+        id=job.id,
+        model=job.model_name,
+        status=status,
+        paused=run.paused,
+        progress=RunProgress(
+            step=step,
+            total_steps=total,
+            epoch=int(state.get("epoch", 0)) + 1 if job.started_at else 0,
+            epochs=state.get("epochs"),
+            percent=round(100.0 * step / total, 2) if total else 0.0,
+            phase=phase,
+            eta_seconds=_eta(job.started_at, step, total, status),
+        ),
+        best_checkpoint=BestCheckpoint(**best) if best else None,
+        # A run cancelled before it started never had a driver write its reason.
+        stop_reason=state.get("stop_reason")
+        or ("cancelled" if status is JobStatus.cancelled else None),
+        current_jobs=[waiting] if waiting else [],
+        error=JobError.model_validate(job.error) if job.error else None,
+        metadata=job.meta,
+        cancel_requested=job.cancel_requested,
+        created_at=job.created_at,
+        started_at=job.started_at,
+        finished_at=job.finished_at,
+    )
+
+
+def _eta(started: datetime | None, step: int, total: int, status: JobStatus) -> float | None:
+    if started is None or step == 0 or status.is_final:
+        return None
+    elapsed = (utcnow() - started).total_seconds()
+    return round(elapsed / step * max(0, total - step), 1)

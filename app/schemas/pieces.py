@@ -1,0 +1,110 @@
+"""Validating a large request body a piece at a time: each piece (a trajectory, a group)
+in one short call, so a thread that validates it holds the GIL briefly at a time; the
+errors (paths, order) are exactly those that validating it whole reports."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
+
+M = TypeVar("M", bound=BaseModel)
+
+EACH = "*"
+"""In a `Piece`'s path: every item of the list there."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Items of a large body validated one at a time: every list at `path` (model field
+    names, `EACH` for every item of a list), each of its items as `kind`. Pieces of a
+    model are listed innermost first."""
+
+    path: tuple[str, ...]  # ends with EACH
+    kind: Any
+
+    @cached_property
+    def adapter(self) -> TypeAdapter[Any]:
+        if isinstance(self.kind, type) and issubclass(self.kind, BaseModel):
+            return TypeAdapter(self.kind)
+        return TypeAdapter(self.kind, config=ConfigDict(strict=True))
+
+
+class _StandIns:
+    """Items that failed validation stand, in the body, for their errors: each as a bytes
+    object of its own, which no model or list of a body accepts (a model fails on it once,
+    at its place, as FastAPI's validation fails on any input it cannot read fields from),
+    so validating what holds it fails there, and `expand` puts the errors back."""
+
+    def __init__(self) -> None:
+        self.errors: dict[int, tuple[bytes, list[dict[str, Any]]]] = {}
+
+    def new(self, errors: list[dict[str, Any]]) -> bytes:
+        stand_in = bytes(8)  # a new object each time
+        self.errors[id(stand_in)] = (stand_in, errors)
+        return stand_in
+
+    def expand(self, errors: list[Any]) -> list[dict[str, Any]]:
+        result: list[dict[str, Any]] = []
+        seen: set[int] = set()
+        for error in errors:
+            stand_in = error.get("input")
+            held = self.errors.get(id(stand_in)) if type(stand_in) is bytes else None
+            if held is None or held[0] is not stand_in:
+                result.append(error)
+            elif id(stand_in) not in seen:
+                seen.add(id(stand_in))
+                result.extend({**inner, "loc": (*error["loc"], *inner["loc"])} for inner in held[1])
+        return result
+
+
+def validate(
+    model: type[M], data: Any, pieces: Sequence[Piece] = (), max_errors: int = 100
+) -> tuple[M | None, list[dict[str, Any]], bool]:
+    """`model.model_validate(data, from_attributes=True)` (as FastAPI validates a body), a
+    piece at a time: (the model, [], False), or (None, its errors as pydantic lists them,
+    whether items were left unvalidated once `max_errors` were found). Replaces items of
+    `data` in place."""
+    found = 0
+    more = False
+    stand_ins = _StandIns()
+    for piece in pieces:
+        # Items that hold inner pieces are validated whatever was found: their own fields
+        # are few, and they carry the inner pieces' errors out.
+        outer = any(p.path[: len(piece.path)] == piece.path and p is not piece for p in pieces)
+        for items in _lists(data, piece.path[:-1]):
+            for i, item in enumerate(items):
+                if found >= max_errors and not outer:
+                    items[i] = stand_ins.new([])  # left unvalidated: fails, with no error
+                    more = True
+                    continue
+                try:
+                    items[i] = piece.adapter.validate_python(item, from_attributes=True)
+                except ValidationError as exc:
+                    errors = stand_ins.expand(exc.errors(include_url=False))
+                    found += len(errors)
+                    items[i] = stand_ins.new(errors)
+    try:
+        body = model.model_validate(data, from_attributes=True)
+    except ValidationError as exc:
+        return None, stand_ins.expand(exc.errors(include_url=False))[:max_errors], more
+    # Items are left unvalidated only once errors were found, and those stay in the body.
+    assert not more, "a body with unvalidated items passed validation"
+    return body, [], False
+
+
+def _lists(node: Any, path: tuple[str, ...]) -> Iterator[list[Any]]:
+    if not path:
+        if isinstance(node, list):
+            yield node
+        return
+    head, rest = path[0], path[1:]
+    if head == EACH:
+        if isinstance(node, list):
+            for item in node:
+                yield from _lists(item, rest)
+    elif isinstance(node, dict) and head in node:
+        yield from _lists(node[head], rest)

@@ -1,0 +1,121 @@
+"""Wire types of webhook endpoints and their deliveries."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, HttpUrl, field_validator
+
+from app.rollouts.graders import OutboundUrl
+from app.schemas.common import NO_NUL
+
+MAX_URL_LENGTH = 2048
+"""The longest endpoint URL, as stored (`webhook_endpoints.url`)."""
+
+EventTypeName = Literal[
+    "job.succeeded",
+    "job.failed",
+    "job.cancelled",
+    "run.started",
+    "run.succeeded",
+    "run.failed",
+    "run.cancelled",
+]
+"""`app.webhooks.outbox.WebhookEventType`'s values (a test checks they agree)."""
+
+
+class WebhookEndpointCreate(BaseModel):
+    """A URL to POST signed events to."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        strict=True,
+        json_schema_extra={
+            "examples": [
+                {
+                    "url": "https://hooks.example.com/trainyard",
+                    "event_types": ["job.succeeded", "job.failed", "run.succeeded"],
+                    "description": "ops alerts",
+                }
+            ]
+        },
+    )
+
+    url: OutboundUrl = Field(
+        description="Where to POST each event (http or https, no credentials). Subject to the "
+        "egress policy (`TRAINYARD_EGRESS_ALLOW`, `TRAINYARD_EGRESS_DENY`) now and at every "
+        "send; redirects are not followed."
+    )
+    event_types: list[EventTypeName] = Field(
+        min_length=1, max_length=16, description="The events it receives."
+    )
+    description: str = Field(default="", max_length=512, pattern=NO_NUL)
+    enabled: bool = Field(default=True, description="Disabled: nothing is sent to it.")
+
+    @field_validator("url")
+    @classmethod
+    def _fits(cls, value: HttpUrl) -> HttpUrl:
+        if len(str(value)) > MAX_URL_LENGTH:
+            raise ValueError(f"longer than {MAX_URL_LENGTH} characters")
+        return value
+
+    @field_validator("event_types")
+    @classmethod
+    def _once_each(cls, value: list[str]) -> list[str]:
+        return list(dict.fromkeys(value))
+
+
+class WebhookEndpointUpdate(BaseModel):
+    """What a PATCH may change."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    enabled: bool | None = Field(
+        default=None, description="Disable it (deliveries wait) or enable it again."
+    )
+    description: str | None = Field(default=None, max_length=512, pattern=NO_NUL)
+
+
+class WebhookEndpoint(BaseModel):
+    """A registered endpoint. Its secret is shown once, when it is created."""
+
+    id: str
+    url: str
+    description: str
+    event_types: list[EventTypeName]
+    enabled: bool
+    created_at: datetime
+    updated_at: datetime
+
+
+class WebhookEndpointCreated(WebhookEndpoint):
+    secret: str = Field(
+        description="`whsec_` + base64 of the key that signs every delivery (Standard "
+        "Webhooks): shown only in this answer."
+    )
+
+
+class WebhookAttempt(BaseModel):
+    attempt: int = Field(description="1 for the first send.")
+    started_at: datetime
+    duration_ms: int
+    status_code: int | None = Field(description="The receiver's answer, if one came.")
+    error: str | None = Field(description="Why the attempt failed; null when it succeeded.")
+
+
+class WebhookDelivery(BaseModel):
+    """One message to one endpoint and every attempt to send it."""
+
+    id: int
+    message_id: str = Field(description="The `webhook-id` header, the same on every attempt.")
+    event_type: str = Field(description="An event type, or `webhook.test`.")
+    job_id: str | None = Field(description="The job or run it reports (null: a test).")
+    event_seq: int | None = Field(description="The event in that job's log it reports.")
+    status: Literal["pending", "succeeded", "failed"] = Field(
+        description="`pending` until an attempt succeeds or the retries are spent."
+    )
+    attempts: list[WebhookAttempt]
+    next_attempt_at: datetime | None = Field(description="When it is tried next, if pending.")
+    created_at: datetime
+    finished_at: datetime | None

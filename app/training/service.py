@@ -1,0 +1,297 @@
+"""Training jobs: accept and show. Workers take it from there (`app.training.runner`)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from app.backends import SPECS
+from app.db import begin_write
+from app.errors import InvalidInputError, field_errors, format_path
+from app.jobs.lifecycle import JobKind, JobStatus
+from app.jobs.payloads import Payload
+from app.jobs.service import enqueue_once, get_job, job_fields, replay
+from app.jobs.store import new_job
+from app.models import JobRow, ModelRow
+from app.schemas.common import FieldError
+from app.schemas.jobs import (
+    JobResult,
+    TrainingJob,
+    TrainingJobCreate,
+    TrainingTrajectories,
+    TrajectoryShape,
+)
+from app.schemas.trajectories import ArtTrajectoryGroup, TrajectoryCollection, TrajectorySummary
+from app.settings import Settings
+from app.training import spec
+from app.trajectories import (
+    MAX_ISSUES,
+    Loc,
+    check_collection,
+    check_groups,
+    groups_to_collection,
+    summarize_collection,
+    summarize_groups,
+)
+
+# Stored specs above this are read back in a thread, so the event loop keeps serving.
+_THREAD_BYTES = 1 << 20
+
+
+def _invalid(detail: str, errors: list[dict[str, Any]]) -> InvalidInputError:
+    return InvalidInputError(detail, errors=field_errors(errors))
+
+
+def hyperparameters_of(
+    backend: str, hyperparameters: dict[str, Any], *, loc: tuple[str, ...] = ("hyperparameters",)
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The backend's hyper-parameters, validated once and normalized (only those set), or
+    the errors at `loc`."""
+    try:
+        parsed = SPECS[backend].hyperparameters.model_validate(hyperparameters)
+    except ValidationError as exc:
+        return {}, [{**e, "loc": (*loc, *e["loc"])} for e in exc.errors()]
+    return parsed.model_dump(mode="json", exclude_unset=True), []
+
+
+def check_trajectories(
+    body: TrainingJobCreate,
+) -> tuple[TrajectorySummary, list[dict[str, Any]]]:
+    opt_out = body.hyperparameters.get("allow_training_without_logprobs") is True
+    if body.collection is not None:
+        prefix: tuple[str, ...] = ("collection",)
+        issues = check_collection(body.collection, require_logprobs=not opt_out)
+        summary = summarize_collection(body.collection)
+    else:
+        assert body.groups is not None
+        prefix = ("groups",)
+        issues = check_groups(body.groups, require_logprobs=not opt_out)
+        summary = summarize_groups(body.groups)
+    errors = [{"loc": (*prefix, *i.loc), "msg": i.msg, "type": i.type} for i in issues]
+    return summary, errors
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What a training job keeps of its request, read and checked off the event loop."""
+
+    model: str
+    hyperparameters: dict[str, Any]
+    metadata: dict[str, Any]
+    policy_step: int | None
+    max_steps_off_policy: int | None
+    summary: TrajectorySummary
+    errors: list[dict[str, Any]]  # the trajectories' problems
+    payload: Payload | None  # the spec, when there are none
+    request_hash: str
+
+
+def prepare(body: TrainingJobCreate, raw: bytes, settings: Settings) -> Prepared:
+    """Check the trajectories and encode the spec (in a thread for a large body)."""
+    summary, errors = check_trajectories(body)
+    return Prepared(
+        model=body.model,
+        hyperparameters=body.hyperparameters,
+        metadata=body.metadata,
+        policy_step=body.policy_step,
+        max_steps_off_policy=body.max_steps_off_policy,
+        summary=summary,
+        errors=errors,
+        payload=None if errors else spec.encode(spec.groups_of(body)),
+        request_hash=hashlib.sha256(raw).hexdigest(),
+    )
+
+
+def limits(data: Any, settings: Settings) -> list[FieldError]:
+    """What in a parsed request (not yet validated) passes the service's limits on groups,
+    trajectories, items and logprob entries: each as a FieldError naming its setting."""
+    over = _Limits(settings)
+    if not isinstance(data, dict):
+        return []
+    groups, collection = data.get("groups"), data.get("collection")
+    if isinstance(groups, list):
+        over.count(("groups",), groups, "groups", settings.max_groups_per_job)
+        for g, group in enumerate(groups):
+            trajectories = group.get("trajectories") if isinstance(group, dict) else None
+            over.count(("groups", g, "trajectories"), trajectories, "trajectories")
+            for t, trajectory in enumerate(_list(trajectories)):
+                if isinstance(trajectory, dict):
+                    at: Loc = ("groups", g, "trajectories", t)
+                    items = trajectory.get("messages_and_choices")
+                    over.count((*at, "messages_and_choices"), items, "items")
+                    over.count((*at, "tools"), trajectory.get("tools"), "tools")
+                    over.tokens_of(items)
+    if isinstance(collection, dict):
+        groups = collection.get("trajectories")
+        over.count(("collection", "trajectories"), groups, "groups", settings.max_groups_per_job)
+        for g, group in enumerate(_list(groups)):
+            over.count(("collection", "trajectories", g), group, "trajectories")
+            for t, trajectory in enumerate(_list(group)):
+                if isinstance(trajectory, dict):
+                    episode = trajectory.get("episode")
+                    over.count(("collection", "trajectories", g, t, "episode"), episode, "items")
+                    over.tokens_of(episode)
+    if over.tokens > settings.max_logprob_tokens_per_job:
+        over.errors.append(
+            FieldError(
+                location="body",
+                path="",
+                message=f"{over.tokens} logprob entries; at most "
+                f"{settings.max_logprob_tokens_per_job} per job "
+                "(TRAINYARD_MAX_LOGPROB_TOKENS_PER_JOB)",
+                type="too_many_logprobs",
+            )
+        )
+    return over.errors[:MAX_ISSUES]
+
+
+def _list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+class _Limits:
+    _SETTINGS = {
+        "groups": ("max_groups_per_job", "per job"),
+        "trajectories": ("max_trajectories_per_group", "per group"),
+        "items": ("max_items_per_trajectory", "per trajectory"),
+        "tools": ("max_items_per_trajectory", "per trajectory"),
+    }
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.errors: list[FieldError] = []
+        self.tokens = 0
+
+    def count(self, loc: Loc, value: Any, what: str, limit: int | None = None) -> None:
+        setting, per = self._SETTINGS[what]
+        limit = limit if limit is not None else getattr(self.settings, setting)
+        if isinstance(value, list) and len(value) > limit:
+            self.errors.append(
+                FieldError(
+                    location="body",
+                    path=format_path(loc),
+                    message=f"{len(value)} {what}; at most {limit} {per} "
+                    f"(TRAINYARD_{setting.upper()})",
+                    type=f"too_many_{what}",
+                )
+            )
+
+    def tokens_of(self, items: Any) -> None:
+        """Count the logprob entries of a trajectory's items (any that carry them)."""
+        for item in _list(items):
+            logprobs = item.get("logprobs") if isinstance(item, dict) else None
+            if not isinstance(logprobs, dict):
+                continue
+            for key in ("content", "refusal"):
+                for entry in _list(logprobs.get(key)):
+                    self.tokens += 1
+                    if isinstance(entry, dict):
+                        self.tokens += len(_list(entry.get("top_logprobs")))
+
+
+async def create_training_job(
+    session: AsyncSession,
+    *,
+    job: Prepared,
+    idempotency_key: str | None,
+    max_attempts: int,
+) -> tuple[JobRow, bool]:
+    """Store a prepared job with its spec and first event. Returns (job, replayed).
+
+    Every problem with the request is reported at once (422); nothing is stored then.
+    """
+    errors = list(job.errors)
+    await begin_write(session)
+    if idempotency_key is not None:
+        earlier = await replay(session, idempotency_key, job.request_hash)
+        if earlier is not None:
+            return earlier, True
+    model = await session.get(ModelRow, job.model)
+    hyperparameters: dict[str, Any] = {}
+    if model is None:
+        errors.insert(
+            0,
+            {
+                "loc": ("model",),
+                "msg": "no such model; create it with POST /v1/models",
+                "type": "unknown_model",
+            },
+        )
+    else:
+        hyperparameters, bad = hyperparameters_of(model.backend, job.hyperparameters)
+        errors += bad
+    if errors:
+        raise _invalid(f"{len(errors)} problem(s) in the request; nothing was stored", errors)
+    assert model is not None and job.payload is not None
+    new = new_job(
+        JobKind.training,
+        model=model.name,
+        payload=job.payload,
+        hyperparameters=hyperparameters,
+        metadata=job.metadata,
+        summary=job.summary.model_dump(),
+        request_hash=job.request_hash,
+        max_attempts=max_attempts,
+        idempotency_key=idempotency_key,
+        policy_step=job.policy_step,
+        max_steps_off_policy=job.max_steps_off_policy,
+    )
+    return await enqueue_once(session, new, idempotency_key)
+
+
+async def trajectories(
+    session: AsyncSession, job_id: str, *, shape: TrajectoryShape
+) -> TrainingTrajectories | TrajectoryCollection:
+    """What a training job was given, as it stores it (ART-style groups; a NAT collection
+    was converted on arrival), in ART's shape or as a NAT `TrajectoryCollection`."""
+    job = await get_job(session, job_id, kind=JobKind.training)
+    await session.refresh(job, ["payload"])
+    payload = Payload(job.payload_format, job.payload, job.payload_bytes)
+    if payload.size > _THREAD_BYTES:
+        return await asyncio.to_thread(_shaped, payload, shape, job.id)
+    return _shaped(payload, shape, job.id)
+
+
+def _shaped(
+    payload: Payload, shape: TrajectoryShape, job_id: str
+) -> TrainingTrajectories | TrajectoryCollection:
+    groups = [ArtTrajectoryGroup.model_validate(g) for g in spec.stored_groups(payload)]
+    if shape == "nat":
+        return groups_to_collection(groups, run_id=job_id)
+    return TrainingTrajectories(groups=groups)
+
+
+def to_wire(job: JobRow) -> TrainingJob:
+    result = None
+    if job.status == JobStatus.succeeded.value:
+        result = JobResult(
+            start_step=job.start_step,
+            final_step=job.final_step,
+            checkpoint_path=job.checkpoint_path,
+            metrics=job.metrics,
+            recovered=job.recovered,
+            trained=job.trained,
+            reason=_untrained_reason(job) if job.trained is False else None,
+        )
+    return TrainingJob(
+        **job_fields(job),
+        summary=TrajectorySummary.model_validate(job.summary),
+        hyperparameters=job.hyperparameters,
+        policy_step=job.policy_step,
+        max_steps_off_policy=job.max_steps_off_policy,
+        result=result,
+    )
+
+
+def _untrained_reason(job: JobRow) -> str:
+    if job.summary.get("num_trainable_groups") == 0:
+        return (
+            "no group was trainable (each had one trajectory or equal rewards: GRPO learns "
+            "nothing from them); the step counted without changing the weights"
+        )
+    return "the backend found nothing to train on; the step counted without changing the weights"

@@ -1,0 +1,177 @@
+"""What the webhook routes do: register, show, change and remove endpoints, list their
+deliveries, queue a test message."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Sequence
+
+from sqlalchemy import insert, select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from app.db import begin_write, utcnow
+from app.egress import EgressPolicy
+from app.errors import InvalidInputError, NotFoundError
+from app.models import WebhookAttemptRow, WebhookDeliveryRow, WebhookEndpointRow
+from app.schemas.common import FieldError
+from app.schemas.webhooks import (
+    WebhookAttempt,
+    WebhookDelivery,
+    WebhookEndpoint,
+    WebhookEndpointCreate,
+    WebhookEndpointCreated,
+    WebhookEndpointUpdate,
+)
+from app.webhooks.outbox import PENDING, TEST_EVENT, subscriptions
+from app.webhooks.sender import new_secret
+
+
+def new_endpoint_id() -> str:
+    return f"wh_{time.time_ns() // 1000:014x}{secrets.token_hex(5)}"
+
+
+def check_destination(body: WebhookEndpointCreate, policy: EgressPolicy) -> None:
+    """422 for a URL the egress policy refuses before resolving it (an address literal, a
+    denied name); every send is checked again when it is made."""
+    refused = policy.refuse_url(str(body.url))
+    if refused is not None:
+        error = FieldError(
+            location="body",
+            path="url",
+            message=f"refused by the egress policy: {refused}",
+            type="egress",
+        )
+        raise InvalidInputError("1 invalid field(s) in the request", errors=[error])
+
+
+def to_wire(row: WebhookEndpointRow) -> WebhookEndpoint:
+    return WebhookEndpoint.model_validate(row, from_attributes=True)
+
+
+async def create_endpoint(
+    session: AsyncSession, *, body: WebhookEndpointCreate
+) -> WebhookEndpointCreated:
+    await begin_write(session)
+    now = utcnow()
+    row = WebhookEndpointRow(
+        id=new_endpoint_id(),
+        url=str(body.url),
+        description=body.description,
+        secret=new_secret(),
+        event_types=list(body.event_types),
+        enabled=body.enabled,
+        created_at=now,
+        updated_at=now,
+    )
+    session.add(row)
+    await session.flush()
+    await session.execute(
+        insert(subscriptions),
+        [{"endpoint_id": row.id, "event_type": type_} for type_ in body.event_types],
+    )
+    return WebhookEndpointCreated(**to_wire(row).model_dump(), secret=row.secret)
+
+
+async def get_endpoint(session: AsyncSession, endpoint_id: str) -> WebhookEndpointRow:
+    row = await session.get(WebhookEndpointRow, endpoint_id)
+    if row is None:
+        raise NotFoundError(f"no webhook endpoint {endpoint_id!r}")
+    return row
+
+
+async def list_endpoints(
+    session: AsyncSession, *, after: str | None, limit: int
+) -> tuple[list[WebhookEndpoint], bool]:
+    """Newest first (ids are time-ordered)."""
+    query = select(WebhookEndpointRow).order_by(WebhookEndpointRow.id.desc()).limit(limit + 1)
+    if after:
+        query = query.where(WebhookEndpointRow.id < after)
+    rows = (await session.scalars(query)).all()
+    return [to_wire(row) for row in rows[:limit]], len(rows) > limit
+
+
+async def update_endpoint(
+    session: AsyncSession, endpoint_id: str, *, body: WebhookEndpointUpdate
+) -> WebhookEndpoint:
+    await begin_write(session)
+    row = await get_endpoint(session, endpoint_id)
+    if body.enabled is not None:
+        row.enabled = body.enabled
+    if body.description is not None:
+        row.description = body.description
+    row.updated_at = utcnow()
+    await session.flush()
+    return to_wire(row)
+
+
+async def delete_endpoint(session: AsyncSession, endpoint_id: str) -> None:
+    """With its subscriptions and deliveries (ON DELETE CASCADE)."""
+    await begin_write(session)
+    await session.delete(await get_endpoint(session, endpoint_id))
+    await session.flush()
+
+
+async def send_test(session: AsyncSession, endpoint_id: str) -> WebhookDelivery:
+    """Queue a `webhook.test` message for the endpoint alone; a worker sends it."""
+    await begin_write(session)
+    await get_endpoint(session, endpoint_id)
+    now = utcnow()
+    row = WebhookDeliveryRow(
+        endpoint_id=endpoint_id,
+        message_id=f"msg_test_{time.time_ns() // 1000:014x}{secrets.token_hex(5)}",
+        event_type=TEST_EVENT,
+        status=PENDING,
+        attempts=0,
+        next_attempt_at=now,
+        created_at=now,
+    )
+    session.add(row)
+    await session.flush()
+    return delivery_to_wire(row, [])
+
+
+async def list_deliveries(
+    session: AsyncSession, endpoint_id: str, *, after: int | None, limit: int
+) -> tuple[list[WebhookDelivery], bool]:
+    """The endpoint's deliveries, newest first, each with its attempts."""
+    await get_endpoint(session, endpoint_id)
+    query = (
+        select(WebhookDeliveryRow)
+        .where(WebhookDeliveryRow.endpoint_id == endpoint_id)
+        .order_by(WebhookDeliveryRow.id.desc())
+        .limit(limit + 1)
+    )
+    if after is not None:
+        query = query.where(WebhookDeliveryRow.id < after)
+    rows = (await session.scalars(query)).all()[: limit + 1]
+    page = rows[:limit]
+    tries = (
+        await session.scalars(
+            select(WebhookAttemptRow)
+            .where(WebhookAttemptRow.delivery_id.in_([row.id for row in page]))
+            .order_by(WebhookAttemptRow.delivery_id, WebhookAttemptRow.attempt)
+        )
+    ).all()
+    by_delivery: dict[int, list[WebhookAttemptRow]] = {}
+    for attempt in tries:
+        by_delivery.setdefault(attempt.delivery_id, []).append(attempt)
+    items = [delivery_to_wire(row, by_delivery.get(row.id, [])) for row in page]
+    return items, len(rows) > limit
+
+
+def delivery_to_wire(
+    row: WebhookDeliveryRow, tries: Sequence[WebhookAttemptRow]
+) -> WebhookDelivery:
+    return WebhookDelivery(
+        id=row.id,
+        message_id=row.message_id,
+        event_type=row.event_type,
+        job_id=row.job_id,
+        event_seq=row.event_seq,
+        status=row.status,
+        attempts=[WebhookAttempt.model_validate(t, from_attributes=True) for t in tries],
+        next_attempt_at=row.next_attempt_at if row.status == PENDING else None,
+        created_at=row.created_at,
+        finished_at=row.finished_at,
+    )

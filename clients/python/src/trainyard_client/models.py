@@ -1,0 +1,329 @@
+"""The API's response types, as `openapi.json` names and shapes them.
+
+Each class mirrors the schema of the same name (the repository's tests check that their
+fields, types and required fields stay in step with `openapi.json`). Unknown fields from a
+newer server are kept, not refused, and enumerations are plain strings (the values known
+today: `JobStatus`, `EventType`, and in the fields' comments): an older client keeps
+working against a newer server.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+from typing import Any, Generic, TypeVar
+
+from pydantic import BaseModel, ConfigDict
+
+T = TypeVar("T")
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class JobStatus(StrEnum):
+    queued = "queued"
+    running = "running"
+    succeeded = "succeeded"
+    failed = "failed"
+    cancelled = "cancelled"
+
+
+FINAL_STATUSES = frozenset({JobStatus.succeeded, JobStatus.failed, JobStatus.cancelled})
+
+
+class EventType(StrEnum):
+    job_queued = "job_queued"
+    job_claimed = "job_claimed"
+    job_retrying = "job_retrying"
+    job_released = "job_released"
+    cancel_requested = "cancel_requested"
+    job_cancelled = "job_cancelled"
+    training_started = "training_started"
+    gradient_step = "gradient_step"
+    training_ended = "training_ended"
+    training_failed = "training_failed"
+    rollout_started = "rollout_started"
+    rollout_progress = "rollout_progress"
+    rollout_ended = "rollout_ended"
+    rollout_failed = "rollout_failed"
+    run_started = "run_started"
+    run_step = "run_step"
+    run_ended = "run_ended"
+    run_failed = "run_failed"
+    run_validated = "run_validated"
+    run_paused = "run_paused"
+    run_resumed = "run_resumed"
+
+
+FINAL_EVENTS = frozenset(
+    {
+        EventType.job_cancelled,
+        EventType.training_ended,
+        EventType.training_failed,
+        EventType.rollout_ended,
+        EventType.rollout_failed,
+        EventType.run_ended,
+        EventType.run_failed,
+    }
+)
+"""The event that ends a job's history: nothing follows it."""
+
+
+class Liveness(_Wire):
+    status: str = "ok"
+
+
+class Check(_Wire):
+    ok: bool
+    detail: str
+
+
+class Readiness(_Wire):
+    status: str
+    checks: dict[str, Check]
+
+
+class FieldError(_Wire):
+    location: str  # body, query, path, header, cookie
+    path: str
+    message: str
+    type: str
+
+
+class Problem(_Wire):
+    """RFC 9457 problem details: the body of every error response."""
+
+    type: str = "about:blank"
+    title: str
+    status: int
+    detail: str | None = None
+    instance: str | None = None
+    errors: list[FieldError] | None = None
+
+
+class Page(_Wire, Generic[T]):
+    """One page of a list; pass `next_cursor` as `after` for the next."""
+
+    data: list[T]
+    has_more: bool
+    next_cursor: str | None = None
+
+
+class Model(_Wire):
+    name: str
+    project: str
+    base_model: str
+    backend: str
+    config: dict[str, Any]
+    current_step: int
+    inference_base_url: str | None
+    inference_model_name: str | None
+    openai_base_url: str | None = None
+    openai_model_names: list[str] = []
+    created_at: datetime
+    updated_at: datetime
+
+
+class Backend(_Wire):
+    name: str
+    description: str
+    hyperparameters: dict[str, Any]
+    config: dict[str, Any]
+
+
+class Checkpoint(_Wire):
+    step: int
+    created_at: datetime
+    job_id: str | None
+    metrics: dict[str, float | None] | None
+    validation_metrics: dict[str, float | str | None] | None = None
+    size_bytes: int
+    aliases: list[str]
+
+
+class Alias(_Wire):
+    alias: str
+    step: int
+    builtin: bool
+    created_at: datetime | None = None
+    updated_at: datetime | None = None
+
+
+class RetentionPolicy(_Wire):
+    model: str
+    keep_last: int | None
+    keep_best_by: str | None
+    higher_is_better: bool
+    best_step: int | None
+    created_at: datetime | None
+    updated_at: datetime | None
+
+
+class RetentionRun(_Wire):
+    kept: list[int]
+    deleted: list[int]
+
+
+class JobProgress(_Wire):
+    step: int
+    total: int | None
+    percent: float | None
+
+
+class JobResult(_Wire):
+    start_step: int | None
+    final_step: int | None
+    checkpoint_path: str | None
+    metrics: dict[str, Any] | None
+    recovered: bool
+    trained: bool | None
+    reason: str | None
+
+
+class JobError(_Wire):
+    type: str
+    message: str
+    transient: bool
+
+
+class TrajectorySummary(_Wire):
+    num_groups: int
+    num_trajectories: int
+    num_trainable_groups: int
+    untrainable_groups: list[int]
+
+
+class _Ends(_Wire):
+    """What every kind of job has: a status, and so an end."""
+
+    id: str
+    model: str
+    status: str
+    error: JobError | None
+    metadata: dict[str, Any]
+    cancel_requested: bool
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+
+    @property
+    def done(self) -> bool:
+        """Whether the job has ended (succeeded, failed or cancelled)."""
+        return self.status in FINAL_STATUSES
+
+
+class _Job(_Ends):
+    progress: JobProgress
+    attempts: int
+    max_attempts: int
+
+
+class TrainingJob(_Job):
+    summary: TrajectorySummary
+    hyperparameters: dict[str, Any]
+    policy_step: int | None
+    max_steps_off_policy: int | None
+    result: JobResult | None
+
+
+class RolloutSummary(_Wire):
+    num_examples: int
+    num_generations: int
+    num_samples: int
+    num_graded: int = 0
+    num_errors: int = 0
+    mean_reward: float | None = None
+    untrainable_groups: list[str | int] = []
+    errors: list[str] = []
+
+
+class RolloutJob(_Job):
+    summary: RolloutSummary
+    training_job_id: str | None
+
+
+class JobEvent(_Wire):
+    seq: int
+    type: str
+    created_at: datetime
+    data: dict[str, Any]
+
+
+class RunProgress(_Wire):
+    step: int
+    total_steps: int
+    epoch: int
+    epochs: int | None
+    percent: float
+    phase: str  # queued, rollout, training, validation, paused, done
+    eta_seconds: float | None
+
+
+class BestCheckpoint(_Wire):
+    step: int
+    score: float
+
+
+class Run(_Ends):
+    """A training run: the RL loop (sample, grade, train, validate) as one durable job."""
+
+    paused: bool
+    progress: RunProgress
+    best_checkpoint: BestCheckpoint | None
+    stop_reason: str | None
+    current_jobs: list[str]
+
+
+class RunMetric(_Wire):
+    seq: int
+    kind: str  # step, validation
+    step: int
+    epoch: int | None = None
+    data: dict[str, Any]
+    created_at: datetime
+
+
+class Dataset(_Wire):
+    id: str
+    name: str
+    sha256: str
+    num_examples: int
+    splits: dict[str, int]
+    created_at: datetime
+
+
+class WebhookEndpoint(_Wire):
+    id: str
+    url: str
+    description: str
+    event_types: list[str]
+    enabled: bool
+    created_at: datetime
+    updated_at: datetime
+
+
+class WebhookEndpointCreated(WebhookEndpoint):
+    secret: str
+
+
+class WebhookAttempt(_Wire):
+    attempt: int
+    started_at: datetime
+    duration_ms: int
+    status_code: int | None
+    error: str | None
+
+
+class WebhookDelivery(_Wire):
+    id: int
+    message_id: str
+    event_type: str
+    job_id: str | None
+    event_seq: int | None
+    status: str
+    attempts: list[WebhookAttempt]
+    next_attempt_at: datetime | None
+    created_at: datetime
+    finished_at: datetime | None

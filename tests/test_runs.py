@@ -1,0 +1,324 @@
+"""Training runs through the API alone, on the cpu backend's demo model: datasets, the
+whole loop (sample, grade, train, validate, keep the best, prune), curves, pause, resume
+and cancel."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from app.backends.tiny_model import make_tiny_model
+from tests.conftest import LiveServer
+
+pytest.importorskip("torch")
+FINAL = {"succeeded", "failed", "cancelled"}
+JSONL = {"Content-Type": "application/jsonl"}
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+
+
+@pytest.fixture
+def serve(serve: Callable[..., LiveServer], tiny_model: Path) -> Callable[..., LiveServer]:
+    return functools.partial(
+        serve, model_roots=[tiny_model.parent], worker_enabled=True, demo_model=True
+    )
+
+
+DIGIT = {"type": "regex", "pattern": "^[0-9]$"}  # the toy task's grader
+
+
+def toy_lines(train: int = 8, validation: int = 4) -> bytes:
+    """The toy task: the reward is 1 when the one-token answer is a digit (about one
+    answer in ten of the untrained tiny model)."""
+    lines = []
+    for split, count in (("train", train), ("validation", validation)):
+        for i in range(count):
+            lines.append(
+                {
+                    "id": f"{split}-{i}",
+                    "messages": [{"role": "user", "content": f"say a number {i}"}],
+                    "expected": "7",
+                    "split": split,
+                }
+            )
+    return "\n".join(json.dumps(line) for line in lines).encode() + b"\n"
+
+
+async def served(client: httpx.AsyncClient, name: str = "demo") -> dict[str, Any]:
+    for _ in range(400):
+        model = (await client.get(f"/v1/models/{name}")).json()
+        if model.get("inference_base_url"):
+            return model
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{name} was never served")
+
+
+async def wait_run(
+    client: httpx.AsyncClient, run_id: str, timeout: float = 60, until: Any = None
+) -> dict[str, Any]:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        run = (await client.get(f"/v1/runs/{run_id}")).json()
+        if until(run) if until else run["status"] in FINAL:
+            return run
+        if loop.time() > deadline:
+            jobs = [(await client.get(f"/v1/rollout-jobs/{j}")).json() for j in run["current_jobs"]]
+            raise AssertionError(f"run {run_id}: {run}; waiting on {jobs}")
+        await asyncio.sleep(0.05)
+
+
+async def all_metrics(client: httpx.AsyncClient, run_id: str) -> list[dict[str, Any]]:
+    rows, after = [], 0
+    while True:
+        page = (await client.get(f"/v1/runs/{run_id}/metrics?after={after}&limit=5")).json()
+        rows += page["data"]
+        if not page["has_more"]:
+            return rows
+        after = int(page["next_cursor"])
+
+
+def run_body(dataset: str, **changes: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": "demo",
+        "dataset": {"id": dataset},
+        "recipe": {
+            "num_generations": 8,
+            "sampling": {"max_tokens": 1, "temperature": 1.0},
+            "grader": DIGIT,
+        },
+        "schedule": {"max_steps": 24, "examples_per_step": 4, "shuffle_seed": 7},
+        "hyperparameters": {"learning_rate": 0.05},
+        "validation": {"every_steps": 3, "num_generations": 16},
+    }
+    body.update(changes)
+    return body
+
+
+async def upload(client: httpx.AsyncClient, data: bytes, name: str = "toy") -> dict[str, Any]:
+    response = await client.post(f"/v1/datasets?name={name}", content=data, headers=JSONL)
+    assert response.status_code in (200, 201), response.text
+    return response.json()
+
+
+async def test_a_run_lifts_validation_reward_keeps_the_best_and_prunes_the_rest(serve) -> None:
+    async with serve() as live:
+        client = live.client
+        await served(client)
+        dataset = await upload(client, toy_lines())
+        assert dataset["splits"] == {"train": 8, "validation": 4}
+        body = run_body(dataset["id"], early_stopping={"patience": 3, "min_delta": 0.02})
+        response = await client.post("/v1/runs", json=body)
+        assert response.status_code == 202, response.text
+        assert response.headers["location"] == f"/v1/runs/{response.json()['id']}"
+        run = await wait_run(client, response.json()["id"])
+        metrics = await all_metrics(client, run["id"])
+        checkpoints = (await client.get("/v1/models/demo/checkpoints?limit=100")).json()["data"]
+        events = (await client.get(f"/v1/runs/{run['id']}/events?limit=1000")).json()["data"]
+
+    assert run["status"] == "succeeded", run
+    assert run["stop_reason"] in ("completed", "early_stopping")
+    validations = [m for m in metrics if m["kind"] == "validation"]
+    steps = [m for m in metrics if m["kind"] == "step"]
+    # One row per step trained, steps 1..n in order, each with its curve's figures.
+    assert [m["step"] for m in steps] == list(range(1, run["progress"]["step"] + 1))
+    assert all(m["data"]["reward_mean"] is not None for m in steps)
+    # A step with a group to learn from has a loss; one without trains nothing.
+    assert all(
+        isinstance(m["data"]["loss"], float) == (m["data"]["trainable_share"] > 0) for m in steps
+    ), [m["data"] for m in steps]
+    assert all(m["data"]["training_s"] > 0 and m["data"]["sampling_s"] > 0 for m in steps)
+    # Validated before the first step (a baseline), then every 3 steps.
+    assert validations[0]["step"] == 0 and validations[0]["data"]["score"] <= 0.3, validations
+    best = max(validations, key=lambda m: m["data"]["score"])
+    assert best["data"]["score"] >= 0.8, validations
+    assert run["best_checkpoint"] == {"step": best["step"], "score": best["data"]["score"]}
+    # The best and the latest stay; every other step the run made is pruned (step 0 is
+    # the base: the run did not make it).
+    kept = sorted(c["step"] for c in checkpoints)
+    assert kept == sorted({0, best["step"], run["progress"]["step"]}), kept
+    by_step = {c["step"]: c for c in checkpoints}
+    assert by_step[best["step"]]["validation_metrics"]["score"] == best["data"]["score"]
+    types = [e["type"] for e in events]
+    assert types[0] == "job_queued" and types[1] == "run_started" and types[-1] == "run_ended"
+    assert types.count("run_step") == run["progress"]["step"]
+    assert types.count("run_validated") == len(validations)
+
+
+@pytest.mark.parametrize(
+    ("line", "path"),
+    [
+        (b'{"id": 1, "messages": [{"role": "robot", "content": "x"}]}', "line[2]"),
+        (b'{"id": 1, "messages": []}', "line[2].messages"),
+        (b'{"id": 1, "messages": [{"role": "user"}], "split": "a b"}', "line[2].split"),
+        (b'{"id": 1, "messages": [{"role": "user"}], "x": 1}', "line[2].x"),
+        (b'{"id": 1, "messages": [{"role": "user"}]', "line[2]"),
+        (b"[1, 2]", "line[2]"),
+    ],
+)
+async def test_a_bad_upload_names_the_line_and_stores_nothing(live, line, path) -> None:
+    good = b'{"id": 0, "messages": [{"role": "user", "content": "hi"}]}\n'
+    response = await live.client.post(
+        "/v1/datasets?name=bad", content=good + line + b"\n" + good, headers=JSONL
+    )
+    assert response.status_code == 422, response.text
+    assert response.headers["content-type"] == "application/problem+json"
+    assert response.json()["errors"][0]["path"].startswith(path)
+    assert (await live.client.get("/v1/datasets")).json()["data"] == []
+
+
+async def test_an_upload_is_jsonl_and_the_same_bytes_are_stored_once(live) -> None:
+    client = live.client
+    refused = await client.post("/v1/datasets?name=x", json={"id": 1})
+    assert refused.status_code == 422 and refused.json()["errors"][0]["path"] == "content-type"
+    empty = await client.post("/v1/datasets?name=x", content=b"\n \n", headers=JSONL)
+    assert empty.status_code == 422
+    first = await client.post("/v1/datasets?name=x", content=toy_lines(2, 1), headers=JSONL)
+    again = await client.post("/v1/datasets?name=x", content=toy_lines(2, 1), headers=JSONL)
+    other = await client.post("/v1/datasets?name=y", content=toy_lines(2, 1), headers=JSONL)
+    assert (first.status_code, again.status_code, other.status_code) == (201, 200, 201)
+    assert first.json() == again.json() and first.json()["id"] != other.json()["id"]
+    assert first.json()["num_examples"] == 3
+    assert len((await client.get("/v1/datasets")).json()["data"]) == 2
+    gone = await client.delete(f"/v1/datasets/{other.json()['id']}")
+    assert gone.status_code == 204
+    assert (await client.get(f"/v1/datasets/{other.json()['id']}")).status_code == 404
+
+
+@pytest.mark.parametrize(
+    ("change", "path"),
+    [
+        ({"model": "nope"}, "model"),
+        ({"dataset": {"id": "ds_nope"}}, "dataset.id"),
+        ({"dataset": {"id": "{ds}", "train_split": "other"}}, "dataset.train_split"),
+        ({"schedule": {"examples_per_step": 4}}, "schedule"),
+        ({"hyperparameters": {"learning_rate": "fast"}}, "hyperparameters.learning_rate"),
+        (
+            {"recipe": {"num_generations": 1, "grader": {"type": "exact_match"}}},
+            "recipe.num_generations",
+        ),
+        ({"early_stopping": {"patience": 2}, "validation": None}, ""),
+        ({"max_steps_off_policy": 2}, "max_steps_off_policy"),
+    ],
+)
+async def test_bad_runs_are_422_with_paths_and_store_nothing(serve, change, path) -> None:
+    async with serve() as live:
+        dataset = await upload(live.client, toy_lines(2, 1))
+        body = run_body(dataset["id"])
+        for key, value in change.items():
+            if isinstance(value, dict) and value.get("id") == "{ds}":
+                value = {**value, "id": dataset["id"]}
+            body[key] = value
+        response = await live.client.post("/v1/runs", json=body)
+        runs = (await live.client.get("/v1/runs")).json()["data"]
+    assert response.status_code == 422, response.text
+    assert path in [e["path"] for e in response.json()["errors"]], response.json()
+    assert runs == []
+
+
+async def test_inline_examples_pause_resume_and_cancel_while_a_step_trains(serve) -> None:
+    async with serve() as live:
+        client = live.client
+        await served(client)
+        examples = [
+            {"id": i, "messages": [{"role": "user", "content": "say yes"}], "expected": "yes"}
+            for i in range(4)
+        ]
+        body = run_body("", examples=examples, validation=None)
+        del body["dataset"]
+        body["schedule"] = {"epochs": 50, "examples_per_step": 2}
+        run = (await client.post("/v1/runs", json=body, headers={"Idempotency-Key": "r1"})).json()
+        replay = await client.post("/v1/runs", json=body, headers={"Idempotency-Key": "r1"})
+        assert replay.json()["id"] == run["id"] and replay.headers["idempotent-replayed"] == "true"
+        assert run["progress"]["total_steps"] == 100
+        # Pause while a step trains: that step lands, no other starts.
+        await wait_run(client, run["id"], until=lambda r: r["progress"]["phase"] == "training")
+        paused = (await client.post(f"/v1/runs/{run['id']}/pause")).json()
+        assert paused["paused"] is True
+        held = await wait_run(
+            client, run["id"], until=lambda r: r["current_jobs"] == [] and r["progress"]["step"] > 0
+        )
+        await asyncio.sleep(0.5)
+        still = (await client.get(f"/v1/runs/{run['id']}")).json()
+        assert still["progress"]["step"] == held["progress"]["step"] and still["current_jobs"] == []
+        assert still["progress"]["phase"] == "paused" and still["status"] == "running"
+        # Resume, then cancel while the next step trains: the run ends cancelled and every
+        # step that landed is in its curve.
+        resumed = (await client.post(f"/v1/runs/{run['id']}/resume")).json()
+        assert resumed["paused"] is False
+        await wait_run(
+            client,
+            run["id"],
+            until=lambda r: (
+                r["progress"]["phase"] == "training"
+                and r["progress"]["step"] > held["progress"]["step"]
+            ),
+        )
+        cancelled = await client.post(f"/v1/runs/{run['id']}/cancel")
+        assert cancelled.status_code == 200 and cancelled.json()["cancel_requested"] is True
+        final = await wait_run(client, run["id"])
+        metrics = await all_metrics(client, run["id"])
+        again = await client.post(f"/v1/runs/{run['id']}/cancel")
+        pause_after = await client.post(f"/v1/runs/{run['id']}/pause")
+        children = (await client.get(f"/v1/rollout-jobs?metadata.run={run['id']}&limit=100")).json()
+        model = (await client.get("/v1/models/demo")).json()
+    assert final["status"] == "cancelled" and final["stop_reason"] == "cancelled"
+    assert [m["step"] for m in metrics] == list(range(1, final["progress"]["step"] + 1))
+    assert model["current_step"] == final["progress"]["step"]
+    assert again.status_code == 409 and pause_after.status_code == 409
+    assert all(job["status"] in FINAL for job in children["data"])
+
+
+async def test_a_run_with_an_agent_calls_it_as_rollout_jobs_do(serve) -> None:
+    agent = FastAPI()
+    calls: list[dict[str, Any]] = []
+
+    @agent.post("/episode")
+    async def episode(body: dict[str, Any]) -> dict[str, Any]:
+        calls.append(body)
+        model, messages = body["model"], body["example"]["messages"]
+        async with httpx.AsyncClient(base_url=model["base_url"]) as client:
+            completion = await client.post(
+                "/chat/completions",
+                json={
+                    "model": model["name"],
+                    "messages": messages,
+                    "max_tokens": 1,
+                    "logprobs": True,
+                },
+            )
+        choice = completion.json()["choices"][0]
+        return {
+            "trajectory": {"messages_and_choices": [*messages, choice]},
+            "reward": float(body["generation"] % 2),
+        }
+
+    async with LiveServer(agent) as agent_server, serve() as live:
+        await served(live.client)
+        examples = [
+            {"id": f"a{i}", "messages": [{"role": "user", "content": "say yes"}]} for i in range(2)
+        ]
+        body = run_body("", examples=examples, validation=None)
+        del body["dataset"]
+        body["recipe"] = {"num_generations": 2, "agent": {"url": f"{agent_server.url}/episode"}}
+        body["schedule"] = {"max_steps": 2, "examples_per_step": 2}
+        response = await live.client.post("/v1/runs", json=body)
+        assert response.status_code == 202, response.text
+        run = await wait_run(live.client, response.json()["id"])
+        metrics = await all_metrics(live.client, run["id"])
+    assert run["status"] == "succeeded", run
+    assert len(calls) == 8  # 2 steps x 2 examples x 2 generations
+    assert {c["model"]["name"] for c in calls} == {f"demo@{m['step'] - 1}" for m in metrics}
+    assert [m["data"]["reward_mean"] for m in metrics] == [0.5, 0.5]
+    assert {c["example"]["metadata"]["example_id"] for c in calls} == {"a0", "a1"}

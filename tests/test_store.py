@@ -1,0 +1,258 @@
+"""The queue store's contract, run against both implementations (SQLite and Postgres):
+whatever the dialect, the same calls leave the same rows and events."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import Interval, func, insert, select, type_coerce, update
+
+from app.db import create_engine, utcnow, write_connection
+from app.jobs.lifecycle import (
+    Cancelled,
+    ErrorInfo,
+    EventType,
+    Failed,
+    JobKind,
+    JobStatus,
+    Released,
+    Retry,
+    Succeeded,
+)
+from app.jobs.payloads import Payload
+from app.jobs.statements import jobs, models
+from app.jobs.store import (
+    Claim,
+    PostgresStore,
+    QueueStore,
+    SqliteStore,
+    enqueue,
+    new_job,
+    store_for,
+)
+from app.models import JobEventRow
+from app.training import spec
+from tests import factories as f
+
+ERROR = ErrorInfo(type="ConnectionError", message="refused", transient=True)
+
+
+@pytest.fixture
+async def store(database_url: str) -> AsyncIterator[QueueStore]:
+    engine = create_engine(database_url)
+    try:
+        yield store_for(engine)
+    finally:
+        await engine.dispose()
+
+
+def _payload() -> Payload:
+    return spec.encode([g for g in f.art_groups([[1.0, 0.0]])])
+
+
+async def _model(store: QueueStore, name: str) -> None:
+    async with write_connection(store.engine) as conn:
+        await conn.execute(
+            insert(models).values(
+                name=name,
+                project="p",
+                base_model="tiny/base",
+                backend="dry-run",
+                config={},
+                current_step=3,
+                step_known=True,
+                created_at=utcnow(),
+                updated_at=utcnow(),
+            )
+        )
+
+
+async def _job(store: QueueStore, model: str, kind: JobKind = JobKind.training) -> str:
+    job = new_job(
+        kind,
+        model=model,
+        payload=_payload(),
+        summary={"num_groups": 1},
+        request_hash="h",
+        max_attempts=2,
+    )
+    async with write_connection(store.engine) as conn:
+        await enqueue(conn, job)
+    return job.id
+
+
+async def _events(store: QueueStore, job_id: str) -> list[tuple[int, str, dict]]:
+    async with store.engine.connect() as conn:
+        rows = await conn.execute(
+            select(JobEventRow.seq, JobEventRow.type, JobEventRow.data, JobEventRow.created_at)
+            .where(JobEventRow.job_id == job_id)
+            .order_by(JobEventRow.seq)
+        )
+        rows = rows.all()
+    times = [r.created_at for r in rows]
+    assert times == sorted(times), "events are stamped in the order they were written"
+    return [(r.seq, r.type, r.data) for r in rows]
+
+
+async def _row(store: QueueStore, job_id: str):
+    async with store.engine.connect() as conn:
+        return (await conn.execute(select(jobs).where(jobs.c.id == job_id))).one()
+
+
+async def _claim(store: QueueStore, limit: int = 1) -> list[Claim]:
+    return await store.claim(owner="w1", lease_seconds=30, limit=limit)
+
+
+async def test_the_store_is_chosen_by_the_engines_dialect(store: QueueStore) -> None:
+    expected = PostgresStore if store.engine.dialect.name == "postgresql" else SqliteStore
+    assert type(store) is expected
+
+
+async def test_enqueue_and_claim(store: QueueStore) -> None:
+    await _model(store, "a")
+    await _model(store, "b")
+    a1, a2, b1 = await _job(store, "a"), await _job(store, "a"), await _job(store, "b")
+    assert await _events(store, a1) == [(1, "job_queued", {"summary": {"num_groups": 1}})]
+    claims = await _claim(store, limit=3)
+    assert [c.lease.job_id for c in claims] == [a1, b1]  # one per model, oldest first
+    first = claims[0]
+    assert (first.lease.kind, first.lease.attempt, first.start_step) == (JobKind.training, 1, 3)
+    assert first.payload.format == spec.V1 and len(spec.decode(first.payload)) == 1
+    assert (await _row(store, a2)).status == "queued"
+    assert await _claim(store) == []
+    assert (await _events(store, a1))[-1] == (2, "job_claimed", {"worker": "w1", "attempt": 1})
+
+
+async def test_heartbeat_and_start_record(store: QueueStore) -> None:
+    await _model(store, "a")
+    job_id = await _job(store, "a")
+    [claim] = await _claim(store)
+    step = (EventType.gradient_step, {"step": 1})
+    beat = await store.heartbeat(claim.lease, lease_seconds=30, progress=(1, 4), events=[step])
+    assert (beat.alive, beat.cancel_requested) == (True, False)
+    started = (EventType.training_started, {"start_step": 5})
+    assert await store.record_start(claim.lease, start_step=5, event=started)
+    row = await _row(store, job_id)
+    assert (row.progress_step, row.progress_total, row.start_step) == (1, 4, 5)
+    assert [t for _, t, _ in await _events(store, job_id)][-2:] == [
+        "gradient_step",
+        "training_started",
+    ]
+
+
+async def test_each_outcome_is_one_guarded_write(store: QueueStore) -> None:
+    for name in "abcde":
+        await _model(store, name)
+    ids = [await _job(store, name) for name in "abcde"]
+    claims = {c.lease.job_id: c for c in await _claim(store, limit=5)}
+    child = new_job(
+        JobKind.training,
+        model="a",
+        payload=_payload(),
+        summary={},
+        request_hash="c",
+        max_attempts=1,
+        queued_event={"after": ids[0]},
+    )
+    outcomes = [
+        Succeeded({"final_step": 4}, job={"final_step": 4}, model={"current_step": 4}, child=child),
+        Failed(ERROR),
+        Retry(ERROR, delay_s=60),
+        Cancelled("running"),
+        Released("w1"),
+    ]
+    expected = ["succeeded", "failed", "queued", "cancelled", "queued"]
+    for job_id, outcome, status in zip(ids, outcomes, expected, strict=True):
+        lease = claims[job_id].lease
+        assert await store.apply(lease, outcome) == status
+        assert await store.apply(lease, outcome) is None  # the token is spent
+        row = await _row(store, job_id)
+        assert (row.status, row.lease_token) == (status, None)
+    assert (await _row(store, ids[0])).final_step == 4
+    assert await _events(store, child.id) == [(1, "job_queued", {"after": ids[0]})]
+    retried = await _row(store, ids[2])
+    assert retried.not_before > utcnow() + timedelta(seconds=25) and retried.attempts == 1
+    released = await _row(store, ids[4])
+    assert released.attempts == 0 and released.not_before <= utcnow()
+    async with store.engine.connect() as conn:
+        step = await conn.scalar(select(models.c.current_step).where(models.c.name == "a"))
+    assert step == 4
+
+
+async def test_a_retry_after_a_cancel_request_cancels(store: QueueStore) -> None:
+    await _model(store, "a")
+    job_id = await _job(store, "a")
+    [claim] = await _claim(store)
+    async with write_connection(store.engine) as conn:
+        await conn.execute(update(jobs).where(jobs.c.id == job_id).values(cancel_requested=True))
+    assert await store.apply(claim.lease, Retry(ERROR, 0)) is JobStatus.cancelled
+    assert (await _events(store, job_id))[-1][1:] == (
+        "job_cancelled",
+        {"while": "retrying", "error": dict(ERROR)},
+    )
+
+
+async def _expire(store: QueueStore, job_id: str) -> None:
+    async with write_connection(store.engine) as conn:
+        await conn.execute(
+            update(jobs)
+            .where(jobs.c.id == job_id)
+            .values(lease_expires_at=utcnow() - timedelta(seconds=1))
+        )
+
+
+async def test_recovery_writes_only_while_the_lease_is_still_expired(store: QueueStore) -> None:
+    await _model(store, "a")
+    job_id = await _job(store, "a")
+    [claim] = await _claim(store)
+    assert await store.expired() == []
+    await _expire(store, job_id)
+    [state] = await store.expired()
+    assert state.lease == claim.lease and state.start_step == 3
+    assert await store.lease_state(claim.lease) == state
+    # Its worker renewed the lease after recovery read it: the recovery's write is void.
+    await store.heartbeat(claim.lease, lease_seconds=300)
+    assert await store.apply(claim.lease, Retry(ERROR, 0), only_if_expired=True) is None
+    assert (await _row(store, job_id)).status == "running"
+    assert await store.apply(claim.lease, Failed(ERROR), only_if_expired=True) is None
+    await _expire(store, job_id)
+    assert await store.apply(claim.lease, Failed(ERROR), only_if_expired=True) == "failed"
+
+
+async def test_a_retried_job_keeps_its_place_in_the_queue(store: QueueStore) -> None:
+    for name in "abc":
+        await _model(store, name)
+    a1 = await _job(store, "a")
+    b1, c1 = await _job(store, "b"), await _job(store, "c")
+    [claim] = await _claim(store)
+    assert claim.lease.job_id == a1
+    assert await store.apply(claim.lease, Retry(ERROR, delay_s=0)) == "queued"
+    # Due again at once: it was submitted first, so it is taken first.
+    assert [c.lease.job_id for c in await _claim(store, limit=3)] == [a1, b1, c1]
+
+
+async def test_postgres_leases_run_on_the_database_clock(
+    store: QueueStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not store.postgres:
+        pytest.skip("SQLite runs on one host: its leases use the writer's clock")
+    await _model(store, "a")
+    job_id = await _job(store, "a")
+    # This worker's host clock runs an hour ahead: it must neither see live leases as
+    # expired nor stamp a lease that outlives its time.
+    skewed = utcnow() + timedelta(hours=1)
+    monkeypatch.setattr("app.jobs.store.utcnow", lambda: skewed)
+    [claim] = await _claim(store)
+    async with store.engine.connect() as conn:
+        lease_left = await conn.scalar(
+            select(type_coerce(jobs.c.lease_expires_at - func.clock_timestamp(), Interval())).where(
+                jobs.c.id == job_id
+            )
+        )
+    assert timedelta(seconds=25) < lease_left <= timedelta(seconds=30)
+    assert await store.expired() == []
+    await store.heartbeat(claim.lease, lease_seconds=30)
+    assert await store.apply(claim.lease, Failed(ERROR), only_if_expired=True) is None
+    assert (await _row(store, job_id)).status == "running"
