@@ -5,6 +5,7 @@ one."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -81,6 +82,10 @@ class Process:
             from app.jobs.worker import Worker
 
             await asyncio.to_thread(load_training_stack)
+            # The training stack is some 510,000 objects that live as long as the process:
+            # left to the collector, every full collection walks them all again, a pause
+            # of the whole process (the event loop included): 0.27 s each, on a quiet machine.
+            gc.freeze()
 
             process.worker = Worker(
                 settings=settings, store=store, backends=backends, notifier=notifier

@@ -9,6 +9,7 @@ start at head without running Alembic. Tests of the migrations themselves take
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import shutil
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
@@ -39,6 +40,21 @@ def run_apart(coroutine: Coroutine[Any, Any, T]) -> T:
     fixtures may be set up while a test's loop runs, and must leave that loop alone."""
     with ThreadPoolExecutor(1) as pool:
         return pool.submit(asyncio.run, coroutine).result()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Collect what the last test left, and freeze what survives, before each test.
+
+    Many tests measure how long the event loop stalls, and the clients and in-process
+    services they measure run in this process. A full collection walks every object
+    the process holds: a tenth of the way through the suite some 975,000 (the imports,
+    torch among them, and what each test left), and a full collection then paused
+    everything here for 0.46 s, more on a loaded machine, whichever test it fell in. Frozen
+    objects are left out of every collection, so a collection during a test walks only
+    what that test made; this collection walks only what the last one made."""
+    gc.collect()
+    gc.freeze()
 
 
 async def reset_postgres(url: str) -> None:
