@@ -57,6 +57,23 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     gc.freeze()
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A module marked `any_database` tests what lies before or beside the database (the
+    HTTP edge, bodies on their way in, the event loop under attack, the client libraries):
+    its tests need a database to stand on but do not depend on which, so they run on
+    SQLite only. Everything that stores, claims, recovers or migrates runs on both."""
+    dropped = [
+        item
+        for item in items
+        if item.get_closest_marker("any_database")
+        and "postgres" in getattr(getattr(item, "callspec", None), "params", {}).values()
+    ]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        gone = set(dropped)
+        items[:] = [item for item in items if item not in gone]
+
+
 async def reset_postgres(url: str) -> None:
     engine = create_engine(url)
     async with engine.begin() as conn:

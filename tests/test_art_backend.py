@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 from openai.types.chat.chat_completion import Choice
 
+pytestmark = pytest.mark.any_database
+
 art = pytest.importorskip("art")
 pytest.importorskip("torch")  # the cpu backend trains behind the server
 

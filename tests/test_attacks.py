@@ -22,7 +22,7 @@ from tests.hostile import RawServer, Seen, answer, gzip_bomb, head
 from tests.processes import free_port, start_api, stop, wait_ready
 
 pytest.importorskip("torch")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.any_database]
 
 KEY = "attack-test-key"
 AUTH = {"authorization": f"Bearer {KEY}"}

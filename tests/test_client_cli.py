@@ -37,6 +37,8 @@ from trainyard_client.cli import (
     EXIT_USAGE,
 )
 
+pytestmark = pytest.mark.any_database
+
 CLI = str(Path(sys.executable).parent / "trainyard-client")
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 # Four trainable groups: four gradient steps. Their mean reward, which watch shows.

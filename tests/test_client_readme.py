@@ -18,6 +18,8 @@ import pytest
 from tests.conftest import LiveServer
 from tests.test_readme import README, Block, fenced_blocks
 
+pytestmark = pytest.mark.any_database
+
 SECTION = "## SDK and CLI"
 ADDRESS = "http://localhost:8000"
 

@@ -42,6 +42,8 @@ from trainyard_client import (
 )
 from trainyard_client._calls import OPERATIONS
 
+pytestmark = pytest.mark.any_database
+
 FAST = RetryPolicy(max_retries=5, base_delay=0.05, max_delay=0.2)
 EXAMPLES = [
     {"id": "yes", "messages": [{"role": "user", "content": "say yes"}], "expected": "yes"},

@@ -19,6 +19,8 @@ from tests import factories as f
 from tests.backends import wait_final
 from tests.conftest import LiveServer
 
+pytestmark = pytest.mark.any_database
+
 KEY = "s3cret-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MB = 1024 * 1024

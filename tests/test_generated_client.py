@@ -20,6 +20,8 @@ import pytest
 
 from tests import factories as f
 
+pytestmark = pytest.mark.any_database
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "trainyard_generated_client"
 API_KEY = "gen-client-key"

@@ -21,6 +21,8 @@ from app.training import spec as training_spec
 from tests import factories as f
 from tests.test_hostile_bodies import JSON, register_served_model, stored_payload
 
+pytestmark = pytest.mark.any_database
+
 INTERVAL = 0.02
 # A stall check inside the suite, where other tests' processes share the 2 cores: before the
 # fix a body like these held the loop 4-13 s. The 200 ms goal itself is asserted on a

@@ -13,6 +13,8 @@ from app.models import ModelRow
 from tests import factories as f
 from tests.backends import wait_final
 
+pytestmark = pytest.mark.any_database
+
 
 @pytest.fixture
 def disk(tmp_path: Path) -> dict[str, Path]:

@@ -28,7 +28,7 @@ import pytest
 from tests.conftest import LiveServer
 from tests.test_readme import README, Block, Server, fenced_blocks
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.any_database]
 
 ROOT = Path(__file__).resolve().parents[1]
 NAT = ROOT / ".venv-nat" / "bin" / "nat"
