@@ -246,7 +246,7 @@ class RunDriver:
                     )
                 )
             for type_, data in decision.events:
-                await append_event(conn, run_id, (EventType(type_), data))
+                await append_event(conn, run_id, (type_, data))
             columns: dict[str, Any] = {
                 "progress_step": state["step"],
                 "progress_total": state["total_steps"],

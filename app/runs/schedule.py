@@ -24,7 +24,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from app.jobs.lifecycle import ErrorInfo, JobStatus
+from app.jobs.lifecycle import ErrorInfo, EventType, JobStatus
 
 Role = Literal["rollout", "training", "validation"]
 ROLE_LETTER: dict[Role, str] = {"rollout": "r", "training": "t", "validation": "v"}
@@ -125,7 +125,8 @@ def batch(plan: Plan, state: dict[str, Any], step: int) -> list[int]:
     """The train examples of step `step` (1-based), which belongs to the current epoch."""
     position = step - 1 - state["epoch_start"]
     per = plan.examples_per_step
-    return state["order"][position * per : (position + 1) * per]
+    order: list[int] = state["order"]
+    return order[position * per : (position + 1) * per]
 
 
 @dataclass(frozen=True)
@@ -161,7 +162,7 @@ class Decision:
     create: list[Create] = field(default_factory=list)
     cancel: list[str] = field(default_factory=list)  # child ids to cancel
     metrics: list[dict[str, Any]] = field(default_factory=list)  # kind, step, epoch, data
-    events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    events: list[tuple[EventType, dict[str, Any]]] = field(default_factory=list)
     status: JobStatus | None = None
     error: ErrorInfo | None = None
     prune: bool = False
@@ -269,7 +270,7 @@ def _take(
             "reward_mean": data.get("reward_mean"),
             "loss": data.get("loss"),
         }
-        decision.events.append(("run_step", progress))
+        decision.events.append((EventType.run_step, progress))
         state["phase"] = "rollout"
         if plan.validate_every and (
             step % plan.validate_every == 0 or step >= state["total_steps"]
@@ -301,7 +302,7 @@ def _take(
         {"kind": "validation", "step": sampled_step, "epoch": None, "data": data}
     )
     decision.events.append(
-        ("run_validated", {"step": sampled_step, "score": score, "best": state["best"]})
+        (EventType.run_validated, {"step": sampled_step, "score": score, "best": state["best"]})
     )
     decision.prune = True
     state["phase"] = "rollout"

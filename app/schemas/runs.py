@@ -186,9 +186,10 @@ class RunCreate(BaseModel):
         default=0,
         ge=0,
         le=1,
-        description="0: each step samples the policy the previous step made. 1: a step's "
-        "examples may be sampled while the step before it trains (the policy-version guard "
-        "refuses older data).",
+        description="0: each step samples the policy the previous step made. 1: step s+1's "
+        "rollout starts as soon as step s's groups are built, so it samples the policy "
+        "before step s; the policy-version guard refuses data more than one step old. A "
+        "model runs one job at a time: sampling and training do not overlap yet.",
     )
     metadata: JsonObject = Field(default_factory=dict)
 
