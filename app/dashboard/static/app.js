@@ -257,14 +257,15 @@ function runCharts(rows) {
   const points = (list, key) => list.filter((r) => typeof r.data[key] === "number").map((r) => ({ x: r.step, y: r.data[key] }));
   const band = steps.filter((r) => typeof r.data.reward_mean === "number")
     .map((r) => ({ x: r.step, lo: r.data.reward_mean - (r.data.reward_std || 0), hi: r.data.reward_mean + (r.data.reward_std || 0) }));
-  const charts = [lineChart({ name: "reward", title: "Reward", series: [
+  const domain = rows.length ? [Math.min(...rows.map((r) => r.step)), Math.max(...rows.map((r) => r.step))] : undefined;
+  const charts = [lineChart({ name: "reward", title: "Reward", domain, series: [
     { name: "reward_mean", label: "train reward (mean ± std)", points: points(steps, "reward_mean"), band },
     { name: "validation", label: "validation score", points: points(validations, "score") },
   ] })];
-  charts.push(lineChart({ name: "loss", title: "Loss", series: [{ name: "loss", label: "loss", points: points(steps, "loss") }] }));
+  charts.push(lineChart({ name: "loss", title: "Loss", domain, series: [{ name: "loss", label: "loss", points: points(steps, "loss") }] }));
   const others = new Set(steps.flatMap((r) => Object.keys(r.data).filter((k) => typeof r.data[k] === "number" && !KNOWN.has(k) && !SKIP.test(k))));
   for (const key of [...others].sort()) {
-    charts.push(lineChart({ name: key, title: key, series: [{ name: key, label: key, points: points(steps, key) }] }));
+    charts.push(lineChart({ name: key, title: key, domain, series: [{ name: key, label: key, points: points(steps, key) }] }));
   }
   return charts;
 }

@@ -36,7 +36,8 @@ function extent(values) {
 }
 
 // series: [{ name, label, points: [{x, y}], band?: [{x, lo, hi}] }]
-export function lineChart({ name, title, series, xLabel = "step" }) {
+// domain: the x range to draw (every chart of a run shares its steps), else the points'.
+export function lineChart({ name, title, series, domain, xLabel = "step" }) {
   const figure = document.createElement("figure");
   figure.className = "chart";
   figure.dataset.chart = name;
@@ -46,7 +47,7 @@ export function lineChart({ name, title, series, xLabel = "step" }) {
 
   const all = series.flatMap((s) => s.points);
   const bands = series.flatMap((s) => s.band || []);
-  const [x0, x1] = extent(all.map((p) => p.x));
+  const [x0, x1] = extent(domain || all.map((p) => p.x));
   const [y0, y1] = extent([...all.map((p) => p.y), ...bands.flatMap((b) => [b.lo, b.hi])]);
   const sx = (x) => PAD.left + ((x - x0) / (x1 - x0)) * (W - PAD.left - PAD.right);
   const sy = (y) => H - PAD.bottom - ((y - y0) / (y1 - y0)) * (H - PAD.top - PAD.bottom);
