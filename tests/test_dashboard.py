@@ -35,7 +35,10 @@ if not CHROMEDRIVER.exists():
     )
 
 from selenium import webdriver  # noqa: E402
-from selenium.common.exceptions import StaleElementReferenceException  # noqa: E402
+from selenium.common.exceptions import (  # noqa: E402
+    StaleElementReferenceException,
+    TimeoutException,
+)
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
@@ -115,7 +118,12 @@ def wait(driver: webdriver.Chrome, condition: Any, what: str, timeout: float = W
     waiting = WebDriverWait(
         driver, timeout, poll_frequency=0.1, ignored_exceptions=[StaleElementReferenceException]
     )
-    return waiting.until(lambda d: condition(d), message=what)
+    try:
+        return waiting.until(lambda d: condition(d), message=what)
+    except TimeoutException:
+        # What the page showed, for the report: its text and its console.
+        shown = driver.execute_script("return document.body.innerText")
+        raise AssertionError(f"{what}: {shown[:2000]}\n{driver.get_log('browser')}") from None
 
 
 def count(driver: webdriver.Chrome, css: str) -> int:
@@ -149,7 +157,10 @@ def test_a_401_asks_for_the_key_and_then_the_lists_show(browser, server, tmp_pat
     field = wait(browser, lambda d: d.find_elements(By.ID, "api-key"), "the key form")[0]
     assert "API key" in browser.find_element(By.CSS_SELECTOR, ".key-form").text
     screenshot(browser, tmp_path, "key-form")
-    field.send_keys(KEY)
+    field.send_keys("not-the-key")
+    browser.find_element(By.CSS_SELECTOR, ".key-form button").click()
+    wait(browser, lambda d: "refused" in text(d, ".key-form"), "the key refused")
+    browser.find_element(By.ID, "api-key").send_keys(KEY)
     browser.find_element(By.CSS_SELECTOR, ".key-form button").click()
     wait(browser, lambda d: count(d, "[data-model='demo']"), "the demo model's card")
     card = text(browser, "[data-model='demo']")
@@ -165,8 +176,8 @@ def test_a_401_asks_for_the_key_and_then_the_lists_show(browser, server, tmp_pat
     assert count(browser, "#api-key") == 0 and KEY not in browser.current_url
 
 
-def test_a_run_page_gains_points_as_steps_land(page, server, tmp_path) -> None:
-    url, client = server
+def run_body(max_steps: int) -> dict[str, Any]:
+    """The toy task on the demo model: the reward is 1 when the one-token answer is a digit."""
     examples = [
         {
             "id": f"{split}-{i}",
@@ -177,7 +188,7 @@ def test_a_run_page_gains_points_as_steps_land(page, server, tmp_path) -> None:
         for split, n in (("train", 4), ("validation", 2))
         for i in range(n)
     ]
-    body = {
+    return {
         "model": "demo",
         "examples": examples,
         "recipe": {
@@ -185,12 +196,16 @@ def test_a_run_page_gains_points_as_steps_land(page, server, tmp_path) -> None:
             "sampling": {"max_tokens": 1, "temperature": 1.0},
             "grader": {"type": "regex", "pattern": "^[0-9]$"},
         },
-        "schedule": {"max_steps": 10, "examples_per_step": 2},
+        "schedule": {"max_steps": max_steps, "examples_per_step": 2},
         "hyperparameters": {"learning_rate": 0.05},
         "validation": {"every_steps": 5, "num_generations": 4},
         "metadata": {"note": "<img src=x onerror=alert(1)>"},
     }
-    created = client.post("/v1/runs", json=body)
+
+
+def test_a_run_page_gains_points_as_steps_land(page, server, tmp_path) -> None:
+    url, client = server
+    created = client.post("/v1/runs", json=run_body(10))
     assert created.status_code == 202, created.text
     run_id = created.json()["id"]
     page.get(f"{url}/dashboard/#/runs/{run_id}")
@@ -237,3 +252,26 @@ def test_a_job_page_shows_its_events_live_and_a_cancel(page, server, tmp_path) -
     # The list shows it too, under its status filter.
     page.get(f"{url}/dashboard/#/training-jobs?status=cancelled")
     wait(page, lambda d: count(d, f"#rows tr[data-id='{job['id']}']"), "the job in the list")
+
+
+def test_a_run_pauses_resumes_and_cancels_from_its_buttons(page, server) -> None:
+    url, client = server
+    created = client.post("/v1/runs", json=run_body(10_000))
+    assert created.status_code == 202, created.text
+    run_id = created.json()["id"]
+    page.get(f"{url}/dashboard/#/runs/{run_id}")
+    wait(page, lambda d: click(d, "button[data-action='pause']"), "a click on Pause")
+    wait(page, lambda d: count(d, "button[data-action='resume']"), "a Resume button")
+    assert "paused" in text(page, "[data-page='run'] h2")
+    assert client.get(f"/v1/runs/{run_id}").json()["paused"] is True
+    wait(page, lambda d: click(d, "button[data-action='resume']"), "a click on Resume")
+    wait(page, lambda d: count(d, "button[data-action='pause']"), "a Pause button again")
+    wait(page, lambda d: click(d, "button[data-action='cancel']"), "a click on Cancel")
+    wait(page, lambda d: "cancelled" in text(d, "h2 .badge"), "the run to show as cancelled")
+    assert count(page, "[data-page='run'] .actions button") == 0
+    assert client.get(f"/v1/runs/{run_id}").json()["status"] == "cancelled"
+    # Its child jobs, in the rollout jobs' list, link to their own pages and event logs.
+    page.get(f"{url}/dashboard/#/rollout-jobs")
+    wait(page, lambda d: click(d, "#rows tr a"), "a rollout job's link")
+    wait(page, lambda d: count(d, "#events tr"), "the rollout job's event log")
+    assert "job_queued" in text(page, "#events")

@@ -61,11 +61,12 @@ async function api(path, { method = "GET", signal } = {}) {
   return body;
 }
 
-function keyForm() {
+function keyForm(refused) {
   const input = h("input", { type: "password", id: "api-key", name: "api-key", autocomplete: "off", required: true });
   const form = h("form", { class: "key-form", method: "post", action: "#" },
     h("h2", {}, "API key"),
     h("p", {}, "This service needs an API key. It is kept in this tab only and sent as a bearer token."),
+    refused && h("p", { class: "error", role: "alert" }, "The service refused that key."),
     h("label", { for: "api-key" }, "Key"), input, h("button", { type: "submit" }, "Continue"));
   form.addEventListener("submit", (event) => {
     event.preventDefault(); // never submitted: the key goes nowhere but sessionStorage
@@ -218,7 +219,7 @@ async function jobPage(kind, id, signal) {
   const section = h("section", { "data-page": "job", "data-kind": kind }, h("p", {}, link([kind], `← ${KINDS[kind].title}`)), head,
     h("h3", {}, "Events"), h("div", { class: "scroll" }, h("table", { class: "events" }, h("thead", {}, h("tr", {}, ["Seq", "Time", "Type", "Data"].map((t) => h("th", {}, t)))), log)));
   let job = null;
-  const refresh = debounce(async () => {
+  const refresh = coalesce(async () => {
     job = await api(base, { signal });
     const live = !FINAL.has(job.status) && !job.cancel_requested;
     const p = job.progress;
@@ -239,10 +240,14 @@ async function jobPage(kind, id, signal) {
   return section;
 }
 
-function debounce(fn, ms = 250) {
-  let timer = null;
-  const run = () => { clearTimeout(timer); timer = setTimeout(() => fn().catch(failed), ms); };
-  run.now = () => fn();
+// At most one call of `fn` every `ms`, never two at once, and one after the last request:
+// steps can land ten times a second, and the page must neither starve nor fall behind.
+function coalesce(fn, ms = 250) {
+  let timer = null, chain = Promise.resolve();
+  const run = () => {
+    if (!timer) timer = setTimeout(() => { timer = null; run.now().catch(failed); }, ms);
+  };
+  run.now = () => (chain = chain.catch(() => {}).then(fn));
   return run;
 }
 
@@ -279,7 +284,7 @@ async function runPage(id, signal) {
     h("details", {}, h("summary", {}, "Events"), h("div", { class: "scroll" }, h("table", { class: "events" }, h("thead", {}, h("tr", {}, ["Seq", "Time", "Type", "Data"].map((t) => h("th", {}, t)))), log))));
   const rows = [];
   let run = null, seq = 0;
-  const refresh = debounce(async () => {
+  const refresh = coalesce(async () => {
     run = await api(base, { signal });
     const p = run.progress, live = !FINAL.has(run.status);
     head.replaceChildren(...present(
@@ -295,7 +300,7 @@ async function runPage(id, signal) {
       h("details", {}, h("summary", {}, "Metadata"), json(run.metadata))));
   });
   // New rows of the curves since the last seen: on load, and whenever a step or validation lands.
-  const more = debounce(async () => {
+  const more = coalesce(async () => {
     for (;;) {
       const page = await api(`${base}/metrics?after=${seq}&limit=1000`, { signal });
       rows.push(...page.data);
@@ -318,7 +323,11 @@ async function runPage(id, signal) {
 
 function showKey() {
   if (current) current.abort();
-  main.replaceChildren(keyForm());
+  if (document.body.dataset.auth === "needed") return; // asked already
+  const refused = sessionStorage.getItem(KEY) != null;
+  sessionStorage.removeItem(KEY);
+  document.getElementById("forget").hidden = true;
+  main.replaceChildren(keyForm(refused));
   document.getElementById("api-key").focus();
   document.body.dataset.auth = "needed";
 }
@@ -332,6 +341,7 @@ function failed(error) {
 async function render() {
   if (current) current.abort();
   const controller = (current = new AbortController());
+  delete document.body.dataset.auth;
   const [path, search] = (location.hash.slice(1) || "/runs").split("?");
   const query = new URLSearchParams(search || "");
   const parts = path.split("/").filter(Boolean).map(decodeURIComponent);
@@ -345,7 +355,7 @@ async function render() {
     else if (KINDS[parts[0]] && parts[1]) page = await jobPage(parts[0], parts[1], controller.signal);
     else if (KINDS[parts[0]]) page = await listPage(parts[0], query, controller.signal);
     else page = h("p", {}, "No such page. ", link(["runs"], "Runs"));
-    if (controller === current) { main.replaceChildren(page); delete document.body.dataset.auth; }
+    if (controller === current) main.replaceChildren(page);
   } catch (error) {
     if (controller === current) { main.replaceChildren(); failed(error); }
   }
