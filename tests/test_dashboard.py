@@ -141,9 +141,15 @@ def click(driver: webdriver.Chrome, css: str) -> bool:
     return True
 
 
-def screenshot(driver: webdriver.Chrome, tmp_path: Path, name: str) -> None:
+def screenshot(
+    driver: webdriver.Chrome, tmp_path: Path, name: str, size: tuple[int, int] = (1280, 900)
+) -> None:
+    """The page as a window of `size` shows it, saved under tmp_path (and
+    $TRAINYARD_SCREENSHOTS)."""
+    driver.set_window_size(*size)
     path = tmp_path / f"{name}.png"
     driver.save_screenshot(str(path))
+    driver.set_window_size(1280, 900)
     if target := os.environ.get("TRAINYARD_SCREENSHOTS"):
         Path(target).mkdir(parents=True, exist_ok=True)
         shutil.copy(path, Path(target) / path.name)
@@ -226,7 +232,12 @@ def test_a_run_page_gains_points_as_steps_land(page, server, tmp_path) -> None:
     assert "step 10 of 10" in text(page, "[data-page='run'] .progress")
     # The metadata is shown as text, never run as markup.
     assert count(page, "img") == 0 and "onerror" in page.page_source
-    screenshot(page, tmp_path, "run-page")
+    screenshot(page, tmp_path, "run-page", size=(1280, 1500))
+    # On a phone: one column, nothing wider than the screen.
+    page.set_window_size(390, 844)
+    wide = "return document.documentElement.scrollWidth - window.innerWidth"
+    wait(page, lambda d: d.execute_script(wide) <= 0, "a page as narrow as a phone")
+    screenshot(page, tmp_path, "run-page-phone", size=(390, 844))
 
 
 def test_a_job_page_shows_its_events_live_and_a_cancel(page, server, tmp_path) -> None:
