@@ -251,7 +251,10 @@ def test_a_job_page_shows_its_events_live_and_a_cancel(page, server, tmp_path) -
     job = client.post(
         "/v1/training-jobs", json={"model": "slow", "collection": f.nat_collection()}
     ).json()
-    page.get(f"{url}/dashboard/#/training-jobs/{job['id']}")
+    # From the list to the job's page, as a person would go.
+    page.get(f"{url}/dashboard/#/training-jobs")
+    wait(page, lambda d: click(d, f"#rows tr[data-id='{job['id']}'] a"), "the job's link")
+    wait(page, lambda d: job["id"] in text(d, "[data-page='job'] h2"), "the job's page")
     types = "#events tr td:nth-child(3)"
     seen = lambda d: [e.text for e in d.find_elements(By.CSS_SELECTOR, types)]  # noqa: E731
     wait(page, lambda d: "training_started" in seen(d), "the job to start, live")
@@ -290,3 +293,20 @@ def test_a_run_pauses_resumes_and_cancels_from_its_buttons(page, server) -> None
     wait(page, lambda d: click(d, "#rows tr a"), "a rollout job's link")
     wait(page, lambda d: count(d, "#events tr"), "the rollout job's event log")
     assert "job_queued" in text(page, "#events")
+
+
+def test_a_list_follows_its_jobs_statuses(page, server) -> None:
+    url, client = server
+    if client.get("/v1/models/slow").status_code == 404:
+        created = client.post("/v1/models", json=f.model_body("slow", seconds_per_step=60))
+        assert created.status_code == 201, created.text
+    job = client.post(
+        "/v1/training-jobs", json={"model": "slow", "collection": f.nat_collection()}
+    ).json()
+    badge = f"#rows tr[data-id='{job['id']}'] .badge"
+    job_url = f"/v1/training-jobs/{job['id']}"
+    _until(lambda: client.get(job_url).json()["status"] == "running", what="the job to start")
+    page.get(f"{url}/dashboard/#/training-jobs")
+    wait(page, lambda d: text(d, badge) == "running", "the job running in the list")
+    assert client.post(f"{job_url}/cancel").status_code == 200
+    wait(page, lambda d: text(d, badge) == "cancelled", "the list to show it cancelled")

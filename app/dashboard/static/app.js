@@ -6,6 +6,7 @@ import { lineChart } from "./chart.js";
 const API = new URL("../", document.baseURI); // the service's root, behind any path prefix
 const KEY = "trainyard.apiKey"; // sessionStorage: gone when the tab closes, never in a URL
 const STATUSES = ["queued", "running", "succeeded", "failed", "cancelled"];
+const LIST_SECONDS = 5;
 const FINAL = new Set(["succeeded", "failed", "cancelled"]);
 const main = document.getElementById("main");
 let current = null; // the AbortController of the page on screen
@@ -159,19 +160,24 @@ async function listPage(kind, query, signal) {
   const more = h("button", { type: "button", class: "more", hidden: true }, "Load more");
   const section = h("section", { "data-page": kind }, h("h2", {}, title), filters,
     h("div", { class: "scroll" }, h("table", {}, h("thead", {}, h("tr", {}, ["Id", "Model", "Status", "Progress", "Created"].map((t) => h("th", {}, t)))), body)), more);
+  let paged = false; // once a person loads more, the list stays as it is
   const load = async (after) => {
     const params = new URLSearchParams({ limit: "50" });
     for (const key of ["status", "model"]) if (query.get(key)) params.set(key, query.get(key));
     if (after) params.set("after", after);
     const page = await api(`${path}?${params}`, { signal });
-    for (const item of page.data) {
-      body.append(h("tr", { "data-id": item.id }, h("td", {}, link([kind, item.id], item.id)), h("td", {}, item.model), h("td", {}, badge(item.status), item.paused ? " paused" : ""), h("td", {}, progressText(item)), h("td", {}, when(item.created_at))));
-    }
+    const rows = page.data.map((item) => h("tr", { "data-id": item.id }, h("td", {}, link([kind, item.id], item.id)), h("td", {}, item.model),
+      h("td", {}, badge(item.status), item.paused ? " paused" : ""), h("td", {}, progressText(item)), h("td", {}, when(item.created_at))));
+    if (after) body.append(...rows);
+    else body.replaceChildren(...rows);
     if (!body.children.length) body.append(h("tr", {}, h("td", { colspan: 5, class: "empty" }, "Nothing here yet.")));
     more.hidden = !page.has_more;
-    more.onclick = () => load(page.next_cursor).catch(failed);
+    more.onclick = () => { paged = true; load(page.next_cursor).catch(failed); };
   };
   await load(null);
+  // The first page again every few seconds: statuses and progress move while it is open.
+  const timer = setInterval(() => paged || load(null).catch(failed), LIST_SECONDS * 1000);
+  signal.addEventListener("abort", () => clearInterval(timer));
   return section;
 }
 
@@ -335,7 +341,8 @@ function showKey() {
 function failed(error) {
   if (error instanceof Unauthorized) return showKey();
   if (error?.name === "AbortError") return;
-  main.append(h("p", { class: "error", role: "alert" }, String(error.message || error)));
+  const alert = document.getElementById("alert") || main.appendChild(h("p", { id: "alert", class: "error", role: "alert" }));
+  alert.textContent = String(error.message || error); // one alert, however often a poll fails
 }
 
 async function render() {
