@@ -174,6 +174,10 @@ def test_a_401_asks_for_the_key_and_then_the_lists_show(browser, server, tmp_pat
     assert KEY not in browser.current_url
     held = browser.execute_script("return sessionStorage.getItem('trainyard.apiKey')")
     assert held == KEY
+    # A model's runs: its card links to the list filtered by it.
+    wait(browser, lambda d: click(d, "[data-model='demo'] a[href='#/runs?model=demo']"), "Runs")
+    wait(browser, lambda d: count(d, "[data-page='runs'] #rows tr"), "the demo model's runs")
+    assert browser.find_element(By.ID, "filter-model").get_attribute("value") == "demo"
     # Another page, and a reload, use the same key without asking again.
     browser.get(f"{url}/dashboard/#/training-jobs?status=running")
     wait(browser, lambda d: count(d, "[data-page='training-jobs'] #rows tr"), "the list")

@@ -26,7 +26,8 @@ function h(tag, attrs = {}, ...children) {
 }
 
 const present = (...nodes) => nodes.filter((n) => n != null && n !== false);
-const link = (route, text) => h("a", { href: "#/" + route.map(encodeURIComponent).join("/") }, text);
+const link = (route, text, query) =>
+  h("a", { href: "#/" + route.map(encodeURIComponent).join("/") + (query ? "?" + new URLSearchParams(query) : "") }, text);
 const badge = (status) => h("span", { class: `badge ${status}`, "data-status": status }, status);
 const when = (iso) => (iso ? new Date(iso).toLocaleString() : "—");
 const json = (value) => h("pre", { class: "json" }, JSON.stringify(value, null, 2));
@@ -191,7 +192,7 @@ async function modelsPage(query, signal) {
       h("td", {}, num(c.metrics?.reward_mean ?? c.metrics?.loss)), h("td", {}, num(c.validation_metrics?.score)), h("td", {}, c.job_id ? link(["training-jobs", c.job_id], c.job_id) : "—"), h("td", {}, when(c.created_at))));
     return h("article", { class: "card", "data-model": model.name }, h("h3", {}, model.name),
       facts([["Latest step", String(model.current_step)], ["Backend", model.backend], ["Base model", model.base_model], ["Served", model.inference_model_name || "no"]]),
-      h("p", {}, link(["runs"], "Runs"), " · ", link(["training-jobs"], "Training jobs"), " · ", link(["rollout-jobs"], "Rollout jobs")),
+      h("p", {}, ["runs", "training-jobs", "rollout-jobs"].flatMap((kind, i) => [i ? " · " : "", link([kind], KINDS[kind].title, { model: model.name })])),
       h("h4", {}, `Checkpoints (${checkpoints.data.length}${checkpoints.has_more ? "+" : ""})`),
       table(["Step", "Aliases", "Reward / loss", "Validation", "Job", "Created"], rows));
   }));
