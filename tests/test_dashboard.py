@@ -170,6 +170,7 @@ def test_a_401_asks_for_the_key_and_then_the_lists_show(browser, server, tmp_pat
     browser.find_element(By.CSS_SELECTOR, ".key-form button").click()
     wait(browser, lambda d: count(d, "[data-model='demo']"), "the demo model's card")
     card = text(browser, "[data-model='demo']")
+    screenshot(browser, tmp_path, "models")
     assert "Latest step" in card and "Checkpoints" in card
     assert KEY not in browser.current_url
     held = browser.execute_script("return sessionStorage.getItem('trainyard.apiKey')")
@@ -178,6 +179,7 @@ def test_a_401_asks_for_the_key_and_then_the_lists_show(browser, server, tmp_pat
     wait(browser, lambda d: click(d, "[data-model='demo'] a[href='#/runs?model=demo']"), "Runs")
     wait(browser, lambda d: count(d, "[data-page='runs'] #rows tr"), "the demo model's runs")
     assert browser.find_element(By.ID, "filter-model").get_attribute("value") == "demo"
+    screenshot(browser, tmp_path, "runs")
     # Another page, and a reload, use the same key without asking again.
     browser.get(f"{url}/dashboard/#/training-jobs?status=running")
     wait(browser, lambda d: count(d, "[data-page='training-jobs'] #rows tr"), "the list")
