@@ -228,8 +228,12 @@ def test_a_run_page_gains_points_as_steps_land(page, server, tmp_path) -> None:
     wait(page, lambda d: count(d, "[data-page='run'] #charts figure"), "the charts")
     before = count(page, points)
     assert before <= 1
+    metadata = "[data-page='run'] details[data-key='Metadata']"
+    page.find_element(By.CSS_SELECTOR, f"{metadata} summary").click()
     assert client.post(f"/v1/runs/{run_id}/resume").status_code == 200
     wait(page, lambda d: count(d, points) > before, "a point for a landed step")
+    # The header is redrawn as events arrive; what a person opened stays open.
+    assert count(page, f"{metadata}[open]") == 1
     wait(page, lambda d: "succeeded" in text(d, "h2 .badge"), "the run to end", timeout=90)
     metrics = client.get(f"/v1/runs/{run_id}/metrics?limit=1000").json()["data"]
     steps = [m for m in metrics if m["kind"] == "step"]

@@ -33,6 +33,15 @@ const when = (iso) => (iso ? new Date(iso).toLocaleString() : "—");
 const json = (value) => h("pre", { class: "json" }, JSON.stringify(value, null, 2));
 const num = (v) => (typeof v === "number" ? String(+v.toPrecision(4)) : v == null ? "—" : String(v));
 
+const details = (title, content, open = false) => h("details", { "data-key": title, open }, h("summary", {}, title), content);
+
+// Replaces a page's header, keeping each <details> open or closed as the person left it.
+function redraw(container, ...nodes) {
+  const open = new Map([...container.querySelectorAll("details[data-key]")].map((d) => [d.dataset.key, d.open]));
+  container.replaceChildren(...present(...nodes));
+  for (const d of container.querySelectorAll("details[data-key]")) if (open.has(d.dataset.key)) d.open = open.get(d.dataset.key);
+}
+
 function facts(pairs) {
   return h("dl", { class: "facts" }, pairs.filter(([, v]) => v != null).flatMap(([k, v]) => [h("dt", {}, k), h("dd", {}, v)]));
 }
@@ -230,7 +239,7 @@ async function jobPage(kind, id, signal) {
     job = await api(base, { signal });
     const live = !FINAL.has(job.status) && !job.cancel_requested;
     const p = job.progress;
-    head.replaceChildren(...present(
+    redraw(head,
       h("h2", {}, `${KINDS[kind].title.replace(/s$/, "")} `, h("code", {}, job.id), " ", badge(job.status)),
       actions([live && ["Cancel", `${base}/cancel`, refresh]]),
       progressBar(p.percent ?? (live ? null : 0), p.total != null ? `step ${p.step} of ${p.total}` : `step ${p.step}`),
@@ -238,9 +247,9 @@ async function jobPage(kind, id, signal) {
         ["Created", when(job.created_at)], ["Started", when(job.started_at)], ["Finished", when(job.finished_at)],
         ["Training job", job.training_job_id ? link(["training-jobs", job.training_job_id], job.training_job_id) : null]]),
       job.error && h("div", { class: "error" }, h("strong", {}, job.error.type), ": ", job.error.message),
-      job.result && h("details", { open: true, class: "result" }, h("summary", {}, "Result"), json(job.result)),
-      h("details", { open: !job.result }, h("summary", {}, "Summary"), json(job.summary)),
-      h("details", {}, h("summary", {}, "Metadata"), json(job.metadata))));
+      job.result && details("Result", json(job.result), true),
+      details("Summary", json(job.summary), !job.result),
+      details("Metadata", json(job.metadata)));
   });
   await refresh.now();
   stream(`${base}/events/stream`, { signal, onEvent: (event) => { log.append(eventRow(event)); refresh(); }, ended: async () => (await refresh.now(), FINAL.has(job.status)) });
@@ -294,7 +303,7 @@ async function runPage(id, signal) {
   const refresh = coalesce(async () => {
     run = await api(base, { signal });
     const p = run.progress, live = !FINAL.has(run.status);
-    head.replaceChildren(...present(
+    redraw(head,
       h("h2", {}, "Run ", h("code", {}, run.id), " ", badge(run.status), run.paused ? h("span", { class: "badge paused" }, "paused") : ""),
       actions([live && !run.paused && ["Pause", `${base}/pause`, refresh], live && run.paused && ["Resume", `${base}/resume`, refresh],
         live && !run.cancel_requested && ["Cancel", `${base}/cancel`, refresh]]),
@@ -304,7 +313,7 @@ async function runPage(id, signal) {
         ["Stop reason", run.stop_reason], ["Now waiting on", run.current_jobs.length ? run.current_jobs.map((j) => h("code", {}, j, " ")) : null],
         ["Created", when(run.created_at)], ["Finished", run.finished_at ? when(run.finished_at) : null]]),
       run.error && h("div", { class: "error" }, h("strong", {}, run.error.type), ": ", run.error.message),
-      h("details", {}, h("summary", {}, "Metadata"), json(run.metadata))));
+      details("Metadata", json(run.metadata)));
   });
   // New rows of the curves since the last seen: on load, and whenever a step or validation lands.
   const more = coalesce(async () => {
