@@ -13,7 +13,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
 from pydantic.json_schema import models_json_schema
 
-from app import __version__, edge, errors
+from app import __version__, dashboard, edge, errors
 from app.api import (
     checkpoints,
     docs,
@@ -100,11 +100,17 @@ def create_app(
     app.add_middleware(
         edge.ApiKeys,
         keys=settings.api_keys,
-        open_paths={*open_paths, *docs.PATHS, app.openapi_url or "/openapi.json"},
+        open_paths={
+            *open_paths,
+            *docs.PATHS,
+            *dashboard.PATHS,
+            app.openapi_url or "/openapi.json",
+        },
     )
     app.middleware("http")(app.state.metrics.middleware)
     app.include_router(health.router)
     app.include_router(docs.router(app))
+    app.include_router(dashboard.router())
     protected = [Depends(require_api_key)]
     app.include_router(models.router, dependencies=protected)
     app.include_router(models.backends_router, dependencies=protected)

@@ -606,9 +606,9 @@ def test_image_runtime_contract(path: Path) -> None:
 
 def test_trainyard_migrate_works_from_the_built_wheel(tmp_path: Path) -> None:
     """Images install the package from a wheel built from what they copy: it must hold
-    every module of `app/` and the whole Alembic tree (top-level `migrations/`, shipped as
-    `app/migrations/`), and `trainyard migrate` must run from it alone, away from the
-    source tree."""
+    every module of `app/`, the dashboard's static files and the whole Alembic tree
+    (top-level `migrations/`, shipped as `app/migrations/`), and `trainyard migrate` must
+    run from it alone, away from the source tree."""
     # Built from a copy of the image's build context (no stale build/ directory either).
     context = tmp_path / "context"
     for source in copy_sources(parse_dockerfile(CPU_DOCKERFILE)):
@@ -637,6 +637,13 @@ def test_trainyard_migrate_works_from_the_built_wheel(tmp_path: Path) -> None:
     (wheel,) = tmp_path.glob("trainyard-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     modules = {p.relative_to(ROOT).as_posix() for p in (ROOT / "app").rglob("*.py")}
+    # The dashboard's page, scripts and styles: package data, served from the wheel.
+    static = {
+        p.relative_to(ROOT).as_posix()
+        for p in (ROOT / "app" / "dashboard" / "static").iterdir()
+        if p.is_file()
+    }
+    assert {"app/dashboard/static/index.html", "app/dashboard/static/app.js"} <= static
     tree = {
         "app/" + p.relative_to(ROOT).as_posix()
         for p in (ROOT / "migrations").rglob("*")
@@ -645,7 +652,8 @@ def test_trainyard_migrate_works_from_the_built_wheel(tmp_path: Path) -> None:
     revisions = {name for name in tree if name.startswith("app/migrations/versions/")}
     assert revisions, "no migration revisions found"
     assert {"app/migrations/env.py", "app/migrations/script.py.mako"} <= tree
-    assert modules | tree <= names, f"the wheel lacks {sorted((modules | tree) - names)}"
+    wanted = modules | static | tree
+    assert wanted <= names, f"the wheel lacks {sorted(wanted - names)}"
 
     # Installed as pip installs it: unpacked onto the path, ahead of the editable checkout.
     site = tmp_path / "site"

@@ -236,7 +236,16 @@ async def test_a_valid_key_reaches_the_routes(serve) -> None:
     assert lower.status_code == spaced.status_code == 200
 
 
-OPEN = ["/healthz", "/readyz", "/metrics", "/openapi.json", "/docs", "/redoc"]
+OPEN = [
+    "/healthz",
+    "/readyz",
+    "/metrics",
+    "/openapi.json",
+    "/docs",
+    "/redoc",
+    "/dashboard/",
+    "/dashboard/app.js",
+]
 
 
 @pytest.mark.parametrize(
@@ -251,6 +260,8 @@ OPEN = ["/healthz", "/readyz", "/metrics", "/openapi.json", "/docs", "/redoc"]
         "/healthz/../v1/models",
         "//v1/models",
         "/docs/../v1/models",
+        "/dashboard/../v1/models",
+        "/dashboard/nothing.js",
         "/v1/nothing-here",
         "/",
     ],
@@ -342,7 +353,8 @@ async def test_head_answers_as_get_without_a_body_on_every_get_route(serve) -> N
         ids = {"name": "agent", "id": job["id"]}
         document = (await live.client.get("/openapi.json")).json()
         paths = [p for p, item in document["paths"].items() if "get" in item]
-        paths += ["/openapi.json", "/docs", "/redoc", "/v1/models/missing", "/v1/nothing"]
+        paths += ["/openapi.json", "/docs", "/redoc", "/dashboard/", "/dashboard/chart.js"]
+        paths += ["/v1/models/missing", "/v1/nothing"]
         for template in paths:
             path = re.sub(r"\{(\w+)\}", lambda m: ids.get(m.group(1), "x"), template)
             get = await live.client.get(path)
@@ -405,6 +417,32 @@ async def test_docs_pages_load_their_assets_from_the_service(serve, page) -> Non
     if page == "/docs":  # Swagger UI 5, which renders the OpenAPI 3.1 document
         bundle = next(r for u, r in assets.items() if u.endswith(".js")).text
         assert "isOAS31" in bundle
+
+
+async def test_the_dashboard_is_served_strictly_and_loads_nothing_from_elsewhere(serve) -> None:
+    async with serve(api_keys=KEY) as live:  # no key: the dashboard's files hold no data
+        moved = await live.client.get("/dashboard")
+        html = await live.client.get("/dashboard/")
+        found = re.findall(r"""(?:src|href)=["']([^"'#]+)""", html.text)
+        urls = [url for url in found if url != "data:,"]  # the empty icon: no request
+        imported = ["chart.js"]  # by app.js
+        assets = {url: await live.client.get(f"/dashboard/{url}") for url in urls + imported}
+        etag = assets["app.js"].headers["etag"]
+        again = await live.client.get("/dashboard/app.js", headers={"If-None-Match": etag})
+    # A relative Location: never one built from the Host header.
+    assert moved.status_code == 308 and moved.headers["location"] == "dashboard/"
+    assert sorted(urls) == ["app.js", "dashboard.css"]
+    assert "<script>" not in html.text and "style=" not in html.text
+    for response in (html, *assets.values()):
+        assert response.status_code == 200
+        assert "default-src 'self'" in response.headers["content-security-policy"]
+        assert "script-src 'self';" in response.headers["content-security-policy"]
+        assert response.headers["x-content-type-options"] == "nosniff"
+        assert response.headers["cache-control"] == "no-cache"
+        assert "http" not in response.text.replace("http://www.w3.org/2000/svg", "")
+    assert assets["app.js"].headers["content-type"].startswith("text/javascript")
+    assert "innerHTML" not in assets["app.js"].text + assets["chart.js"].text
+    assert again.status_code == 304 and again.content == b""
 
 
 # ---------------------------------------------------------------------------------------------
