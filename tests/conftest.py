@@ -74,6 +74,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = [item for item in items if item not in gone]
 
 
+FIGURES = pytest.StashKey[list[str]]()
+
+
+@pytest.fixture
+def figure(request: pytest.FixtureRequest) -> Callable[[str], None]:
+    """Record what a test measured (a stall's p99, a peak RSS): the run's summary lists
+    every figure, whether its test passed or not, so a CI log keeps them."""
+    lines = request.config.stash.setdefault(FIGURES, [])
+
+    def record(line: str) -> None:
+        lines.append(f"{request.node.nodeid}: {line}")
+
+    return record
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    if lines := config.stash.get(FIGURES, []):
+        terminalreporter.section("measured figures")
+        for line in lines:
+            terminalreporter.write_line(line)
+
+
 async def reset_postgres(url: str) -> None:
     engine = create_engine(url)
     async with engine.begin() as conn:

@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.any_database]
 KEY = "attack-test-key"
 AUTH = {"authorization": f"Bearer {KEY}"}
 MiB = 1 << 20
-P99_BOUND = 0.3  # seconds; see the assertion
+P99_BOUND = 0.2  # seconds: the goal (README, Security)
 ATTACK_RSS_BOUND = 512 * MiB  # over the server's idle RSS, stated in the README
 EXAMPLE = {"id": "q1", "messages": [{"role": "user", "content": "say yes"}], "expected": "yes"}
 
@@ -286,7 +286,7 @@ ATTACKS: list[Attack] = [
 ]
 
 
-async def test_the_service_rides_out_every_attack(server) -> None:
+async def test_the_service_rides_out_every_attack(server, figure) -> None:
     url, pid, log = server
     port = int(url.rsplit(":", 1)[1])
     idle = _rss(pid)
@@ -300,16 +300,16 @@ async def test_the_service_rides_out_every_attack(server) -> None:
     finally:
         done.set()
         await prober
-    print(
-        f"attacks: {len(probe.latencies)} probes, healthz p99 {probe.p99() * 1000:.1f} ms, "
+    figure(
+        f"{len(probe.latencies)} probes, healthz p99 {probe.p99() * 1000:.1f} ms, "
         f"max {max(probe.latencies) * 1000:.1f} ms; RSS idle {idle / MiB:.0f} MiB, "
         f"peak {max(probe.rss) / MiB:.0f} MiB"
     )
     assert probe.failures == []
     assert len(probe.latencies) > 50
-    # The goal is 200 ms (README, Security). Measured 107-177 ms with this test alone and
-    # 208-248 ms inside the full suite on the 2-core machines: one ~0.5 s pause per run is
-    # left to find. Until then the test holds the service to P99_BOUND, a regression check.
+    # Inside the full suite this missed 200 ms (208-317 ms) until full collections stopped
+    # walking what the test process and the server's training stack hold (conftest.py,
+    # app/process.py): the probe's client runs in the test process.
     assert probe.p99() < P99_BOUND, (probe.p99(), max(probe.latencies))
     assert max(probe.rss) - idle < ATTACK_RSS_BOUND, (idle, max(probe.rss))
     logged = log.read_text(errors="replace")

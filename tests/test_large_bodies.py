@@ -166,7 +166,7 @@ CASES = {
 
 @pytest.mark.parametrize("name", list(CASES))
 async def test_healthz_answers_within_200ms_while_a_large_body_is_read(
-    serve, database_url, name
+    serve, database_url, name, figure
 ) -> None:
     url, build, status = CASES[name]
     raw = text(build())
@@ -187,8 +187,8 @@ async def test_healthz_answers_within_200ms_while_a_large_body_is_read(
             payload = await stored_payload(database_url, response.json()["id"])
             stored = training_spec.stored_groups(payload)
             assert len(stored) == response.json()["summary"]["num_groups"]
-    print(
-        f"\n{name}: {len(raw) / 1e6:.0f} MB answered {status} in {took:.1f} s; /healthz "
+    figure(
+        f"{len(raw) / 1e6:.0f} MB answered {status} in {took:.1f} s; /healthz "
         f"n={len(probe.latencies)} p50={statistics.median(probe.latencies) * 1000:.0f} ms "
         f"p99={probe.p99() * 1000:.0f} ms max={max(probe.latencies) * 1000:.0f} ms"
     )
