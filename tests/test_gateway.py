@@ -11,7 +11,7 @@ import openai
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
-from sqlalchemy import update
+from sqlalchemy import select, update
 
 from app.backends.tiny_model import make_tiny_model
 from app.db import create_engine, write_connection
@@ -127,6 +127,17 @@ async def test_a_fixed_base_url_and_model_name_survive_a_restart(serve, tiny_mod
         client = _client(live.url)
         answers = await _sample(client, "toy", n=4, temperature=1.0)
         assert (await _train_once(live, answers))["status"] == "succeeded"
+        served_at = (await live.client.get("/v1/models/toy")).json()["inference_base_url"]
+        database_url = live.app.state.settings.database_url
+    assert served_at
+    # The stopped process took its endpoint with it: no reader is sent to a dead port.
+    engine = create_engine(database_url)
+    try:
+        async with engine.connect() as conn:
+            row = (await conn.execute(select(ModelRow).where(ModelRow.name == "toy"))).one()
+    finally:
+        await engine.dispose()
+    assert row.inference_base_url is None and row.current_step == 1
     async with serve(port=port, worker_enabled=True, model_roots=[tiny_model.parent]) as live:
         client = _client(live.url)
         after = await _sample(client, "toy", n=4, temperature=1.0)

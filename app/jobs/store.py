@@ -393,6 +393,16 @@ class QueueStore(ABC):
             values = ModelUpdate(inference_base_url=base_url, inference_model_name=model_name)
             await self._write_model(conn, name, values)
 
+    async def withdraw_inference(self, name: str, *, base_url: str) -> None:
+        """A stopping worker no longer serves `name` at `base_url`: forget that endpoint,
+        unless another worker has put its own there meanwhile."""
+        async with write_connection(self.engine) as conn:
+            await conn.execute(
+                update(models)
+                .where(models.c.name == name, models.c.inference_base_url == base_url)
+                .values(inference_base_url=None)
+            )
+
     async def expired(self, *, limit: int = 20) -> list[LeaseState]:
         """Running jobs whose worker stopped renewing its lease (by the lease clock)."""
         now = statements.lease_clock(self.postgres)

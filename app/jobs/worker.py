@@ -202,6 +202,10 @@ class Worker:
                 await task
             with contextlib.suppress(Exception):
                 await self.release(lease)
+        for name, base_url in self.serving.items():  # its endpoints go with this process
+            if base_url:
+                with contextlib.suppress(Exception):
+                    await self.store.withdraw_inference(name, base_url=base_url)
         with contextlib.suppress(Exception):
             await self._beat(stopped=True)
 
