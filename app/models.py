@@ -237,7 +237,8 @@ class WorkerRow(Base):
 
 class WebhookEndpointRow(Base):
     """A URL that receives signed deliveries of the event types it subscribes to
-    (migration 0008). `secret` (`whsec_...`) signs them; the API shows it once."""
+    (migration 0008). `secret` (`whsec_...`) signs them; the API shows it once. After a
+    rotation (migration 0009) `previous_secret` signs them too, until its expiry."""
 
     __tablename__ = "webhook_endpoints"
 
@@ -245,6 +246,8 @@ class WebhookEndpointRow(Base):
     url: Mapped[str] = mapped_column(String(2048))
     description: Mapped[str] = mapped_column(String(512), default="")
     secret: Mapped[str] = mapped_column(String(128))
+    previous_secret: Mapped[str | None] = mapped_column(String(128))
+    previous_secret_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     event_types: Mapped[list[str]] = mapped_column(JSONType, default=list)
     enabled: Mapped[bool] = mapped_column(Boolean, default=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
@@ -280,6 +283,13 @@ class WebhookDeliveryRow(Base):
             postgresql_where=text("status = 'pending'"),
         ),
         Index("ix_webhook_deliveries_endpoint", "endpoint_id", "id"),
+        # The senders' retention pass deletes ended deliveries by age (migration 0009).
+        Index(
+            "ix_webhook_deliveries_finished",
+            "finished_at",
+            sqlite_where=text("finished_at IS NOT NULL"),
+            postgresql_where=text("finished_at IS NOT NULL"),
+        ),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)

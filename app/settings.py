@@ -197,6 +197,18 @@ class Settings(BaseSettings):
         gt=0,
         description="How often a worker looks for webhook deliveries that are due.",
     )
+    webhook_secret_grace_seconds: float = Field(
+        default=86400.0,
+        ge=0,
+        description="After an endpoint's secret is rotated, how long deliveries are signed "
+        "with the previous secret too (a receiver holding either accepts them).",
+    )
+    webhook_retention_seconds: float = Field(
+        default=7 * 86400.0,
+        gt=0,
+        description="How long a webhook delivery that ended (succeeded or failed) is kept, "
+        "with its attempts; workers delete older ones in small batches.",
+    )
     host: str = Field(default="127.0.0.1", description="Address `trainyard serve` binds.")
     port: int = Field(default=8000, ge=0, le=65535, description="Port `trainyard serve` binds.")
 

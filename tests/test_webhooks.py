@@ -8,13 +8,15 @@ import asyncio
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from typing import Any
 
 import httpx
 import pytest
 from fastapi import FastAPI, Request, Response
-from sqlalchemy import insert, select
+from sqlalchemy import insert, select, update
 from standardwebhooks import Webhook
+from standardwebhooks.webhooks import WebhookVerificationError
 
 from app.db import create_engine, utcnow, write_connection
 from app.jobs.lifecycle import ErrorInfo, EventType, Failed, JobKind, JobStatus, Succeeded
@@ -22,7 +24,7 @@ from app.jobs.store import store_for
 from app.models import JobEventRow
 from app.schemas.webhooks import EventTypeName
 from app.webhooks.outbox import WebhookEventType, reported, webhook_type
-from app.webhooks.sender import sign
+from app.webhooks.sender import WebhookSender, new_secret, sign, signatures
 from tests.conftest import LiveServer
 from tests.factories import create_model, submit
 from tests.processes import free_port, start_api, stop, until, wait_ready
@@ -432,3 +434,199 @@ async def test_a_run_is_reported_as_a_run(store) -> None:
         (endpoint, "run.started", run_id),
         (endpoint, "run.cancelled", run_id),
     ]
+
+
+# -- changing an endpoint: its URL and event types ------------------------------------------
+
+
+async def test_patch_changes_url_and_event_types_and_refuses_what_registration_does(
+    live: LiveServer,
+) -> None:
+    created = await register(live.client, "https://hooks.example.com/a", JOB_EVENTS)
+    path = f"/v1/webhooks/{created['id']}"
+    cases = [
+        ({"url": "ftp://hooks.example.com/x"}, "url"),
+        ({"url": "http://user:pw@hooks.example.com/x"}, "url"),
+        ({"url": "http://169.254.169.254/latest"}, "url"),
+        ({"url": "https://hooks.example.com/" + "x" * 2048}, "url"),
+        ({"event_types": ["job.succeeded", "job.exploded"]}, "event_types[1]"),
+        ({"event_types": []}, "event_types"),
+        ({"event_types": "job.failed"}, "event_types"),
+        ({"url": "https://hooks.example.com/b", "secret": "mine"}, "secret"),
+        ({"url": "https://hooks.example.com/b", "event_types": ["nope"]}, "event_types[0]"),
+    ]
+    for body, where in cases:
+        response = await live.client.patch(path, json=body)
+        assert response.status_code == 422, (body, response.text)
+        assert response.headers["content-type"] == "application/problem+json"
+        assert where in [error["path"] for error in response.json()["errors"]], response.text
+    unchanged = (await live.client.get(path)).json()
+    assert unchanged == {k: v for k, v in created.items() if k != "secret"}  # nothing changed
+    empty = await live.client.patch(path, json={})
+    assert empty.status_code == 200 and empty.json() == unchanged  # not even updated_at
+
+    changed = await live.client.patch(
+        path,
+        json={"url": "https://hooks.example.com/v2", "event_types": ["run.failed", "run.failed"]},
+    )
+    assert changed.status_code == 200, changed.text
+    shown = changed.json()
+    assert shown["url"] == "https://hooks.example.com/v2"
+    assert shown["event_types"] == ["run.failed"] and shown["enabled"] is True
+    assert shown["updated_at"] > created["updated_at"]
+    assert (await live.client.get(path)).json() == shown
+    from app.webhooks.outbox import subscriptions
+
+    async with live.app.state.engine.connect() as conn:
+        rows = await conn.execute(
+            select(subscriptions.c.event_type).where(subscriptions.c.endpoint_id == created["id"])
+        )
+        assert [row.event_type for row in rows] == ["run.failed"]  # the outbox's join
+    missing = await live.client.patch("/v1/webhooks/wh_nope", json={"enabled": False})
+    assert missing.status_code == 404
+
+
+async def test_pending_deliveries_go_to_the_new_url(serve) -> None:
+    """A delivery queued before the URL changed is sent to the new URL: the sender reads
+    the endpoint when it sends."""
+    old, new = Receiver(), Receiver()
+    async with (
+        LiveServer(old.app()) as old_hook,
+        LiveServer(new.app()) as new_hook,
+        serve(**HOOK_SETTINGS) as live,
+    ):
+        endpoint = await register(live.client, f"{old_hook.url}/hook", ["run.started"])
+        path = f"/v1/webhooks/{endpoint['id']}"
+        await live.client.patch(path, json={"enabled": False})  # it waits
+        queued = (await live.client.post(f"{path}/test")).json()
+        moved = await live.client.patch(path, json={"url": f"{new_hook.url}/hook", "enabled": True})
+        assert moved.status_code == 200, moved.text
+        await until(lambda: _true(new.requests), timeout=15, what="the delivery at the new URL")
+        (message_id,) = new.accepted(endpoint["secret"])
+        assert message_id == queued["message_id"] and old.requests == []
+
+
+# -- secret rotation -------------------------------------------------------------------------
+
+
+async def _expire_previous_secret(live: LiveServer, endpoint_id: str) -> None:
+    from app.webhooks.outbox import endpoints
+
+    async with write_connection(live.app.state.engine) as conn:
+        await conn.execute(
+            update(endpoints)
+            .where(endpoints.c.id == endpoint_id)
+            .values(previous_secret_expires_at=utcnow() - timedelta(seconds=1))
+        )
+
+
+async def test_a_rotated_secret_signs_beside_the_new_one_for_the_grace_period(serve) -> None:
+    receiver = Receiver()
+    async with LiveServer(receiver.app()) as hook, serve(**HOOK_SETTINGS) as live:
+        endpoint = await register(live.client, f"{hook.url}/hook", ["run.started"])
+        path = f"/v1/webhooks/{endpoint['id']}"
+        before = time.time()
+        rotated = await live.client.post(f"{path}/rotate-secret")
+        assert rotated.status_code == 200, rotated.text
+        new_secret, old_secret = rotated.json()["secret"], endpoint["secret"]
+        assert new_secret.startswith("whsec_") and new_secret != old_secret
+        expires = datetime.fromisoformat(rotated.json()["previous_secret_expires_at"])
+        assert abs(expires.timestamp() - before - 86400) < 60  # the default grace: a day
+        shown = (await live.client.get(path)).json()
+        assert "secret" not in shown and shown["previous_secret_expires_at"] is not None
+
+        await live.client.post(f"{path}/test")
+        await until(lambda: _true(receiver.requests), timeout=15, what="a delivery")
+        headers, body = receiver.requests[0]
+        assert len(headers["webhook-signature"].split(" ")) == 2
+        for secret in (new_secret, old_secret):  # a receiver holding either accepts it
+            assert Webhook(secret).verify(body, headers)["type"] == "webhook.test"
+
+        await _expire_previous_secret(live, endpoint["id"])  # the grace period is over
+        assert (await live.client.get(path)).json()["previous_secret_expires_at"] is None
+        await live.client.post(f"{path}/test")
+        await until(lambda: _true(len(receiver.requests) > 1), timeout=15, what="a delivery")
+        headers, body = receiver.requests[1]
+        assert len(headers["webhook-signature"].split(" ")) == 1
+        assert Webhook(new_secret).verify(body, headers)["type"] == "webhook.test"
+        with pytest.raises(WebhookVerificationError):
+            Webhook(old_secret).verify(body, headers)
+        missing = await live.client.post("/v1/webhooks/wh_nope/rotate-secret")
+        assert missing.status_code == 404
+        assert missing.headers["content-type"] == "application/problem+json"
+
+
+async def test_without_a_grace_period_the_old_secret_stops_at_once(serve) -> None:
+    async with serve(webhook_secret_grace_seconds=0) as live:
+        endpoint = await register(live.client, "https://hooks.example.com/a", ["run.started"])
+        rotated = (await live.client.post(f"/v1/webhooks/{endpoint['id']}/rotate-secret")).json()
+        assert rotated["previous_secret_expires_at"] is None
+        assert rotated["secret"] != endpoint["secret"]
+
+
+def test_several_secrets_sign_one_header_every_receiver_accepts() -> None:
+    old, new = new_secret(), new_secret()
+    body, now = b'{"type": "webhook.test"}', int(time.time())
+    header = signatures((new, old), "msg_1", now, body)
+    headers = {"webhook-id": "msg_1", "webhook-timestamp": str(now), "webhook-signature": header}
+    assert header.split(" ")[0] == sign(new, "msg_1", now, body)
+    for secret in (old, new):
+        assert Webhook(secret).verify(body, headers) == {"type": "webhook.test"}
+    with pytest.raises(WebhookVerificationError):
+        Webhook(new_secret()).verify(body, headers)
+
+
+# -- retention -------------------------------------------------------------------------------
+
+
+async def test_old_ended_deliveries_are_deleted_in_batches_pending_and_recent_stay(
+    store, make_settings
+) -> None:
+    from app.webhooks.outbox import attempts as a
+    from app.webhooks.outbox import deliveries as d
+
+    endpoint_id = await _endpoint(store, ["job.succeeded"])
+    now = utcnow()
+    old, recent = now - timedelta(days=8), now - timedelta(days=1)
+    rows = (
+        [("succeeded", old)] * 3
+        + [("failed", old)] * 2
+        + [("succeeded", recent), ("failed", recent), ("pending", None), ("pending", None)]
+    )
+    async with write_connection(store.engine) as conn:
+        for i, (status, finished) in enumerate(rows):
+            delivery_id = (
+                await conn.execute(
+                    insert(d)
+                    .values(
+                        endpoint_id=endpoint_id,
+                        message_id=f"msg_test_{i}",
+                        event_type="webhook.test",
+                        status=status,
+                        attempts=1,
+                        next_attempt_at=old,  # a pending one long overdue stays too
+                        created_at=old,
+                        finished_at=finished,
+                    )
+                    .returning(d.c.id)
+                )
+            ).scalar_one()
+            await conn.execute(
+                insert(a).values(delivery_id=delivery_id, attempt=1, started_at=old, duration_ms=1)
+            )
+    sender = WebhookSender(
+        engine=store.engine,
+        settings=make_settings(webhook_retention_seconds=7 * 86400),
+        wake=asyncio.Event(),
+    )
+    try:
+        assert await sender.prune(batch=2) == 5  # in three transactions of at most two
+        assert await sender.prune(batch=2) == 0
+    finally:
+        await sender.close()
+    async with store.engine.connect() as conn:
+        kept = (await conn.execute(select(d.c.id, d.c.status, d.c.finished_at))).all()
+        assert sorted(row.status for row in kept) == ["failed", "pending", "pending", "succeeded"]
+        assert all(row.finished_at is None or row.finished_at > old for row in kept)
+        tries = (await conn.execute(select(a.c.delivery_id))).scalars().all()
+        assert sorted(tries) == sorted(row.id for row in kept)  # their attempts went too

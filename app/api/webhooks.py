@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 from fastapi import APIRouter, Query, Request, Response
 
@@ -20,14 +20,16 @@ from app.schemas.webhooks import (
 from app.settings import Settings
 from app.webhooks import service
 
+Body = TypeVar("Body", WebhookEndpointCreate, WebhookEndpointUpdate)
 
-def _checked(body: WebhookEndpointCreate, raw: bytes, settings: Settings) -> WebhookEndpointCreate:
+
+def _checked(body: Body, raw: bytes, settings: Settings) -> Body:
     service.check_destination(body, EgressPolicy.from_settings(settings))
     return body
 
 
 CREATING = Reading(WebhookEndpointCreate, _checked)
-UPDATING = Reading(WebhookEndpointUpdate, lambda body, raw, settings: body)
+UPDATING = Reading(WebhookEndpointUpdate, _checked)
 
 router = APIRouter(prefix="/v1/webhooks", tags=["webhooks"], responses=problem_responses(401))
 EndpointId = JobId
@@ -75,7 +77,7 @@ async def get(endpoint_id: EndpointId, session: Session) -> WebhookEndpoint:
 @router.patch(
     "/{endpoint_id}",
     response_model=WebhookEndpoint,
-    summary="Enable or disable a webhook endpoint, or change its description",
+    summary="Change a webhook endpoint: its URL, event types, description, or enabled",
     responses=problem_responses(404, 413, 422),
     openapi_extra=json_body(WebhookEndpointUpdate),
 )
@@ -84,6 +86,25 @@ async def update(endpoint_id: EndpointId, request: Request, session: Session) ->
     endpoint = await service.update_endpoint(session, endpoint_id, body=body)
     await session.commit()
     request.app.state.notifier.webhooks_due()  # enabled again: what waited is due
+    return endpoint
+
+
+@router.post(
+    "/{endpoint_id}/rotate-secret",
+    name="rotate_secret",
+    response_model=WebhookEndpointCreated,
+    summary="Give the endpoint a new secret (in this answer only); the previous one keeps "
+    "signing deliveries too for `TRAINYARD_WEBHOOK_SECRET_GRACE_SECONDS`",
+    responses=problem_responses(404),
+)
+async def rotate_secret(
+    endpoint_id: EndpointId, request: Request, session: Session
+) -> WebhookEndpointCreated:
+    settings: Settings = request.app.state.settings
+    endpoint = await service.rotate_secret(
+        session, endpoint_id, grace_seconds=settings.webhook_secret_grace_seconds
+    )
+    await session.commit()
     return endpoint
 
 

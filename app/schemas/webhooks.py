@@ -25,6 +25,12 @@ EventTypeName = Literal[
 """`app.webhooks.outbox.WebhookEventType`'s values (a test checks they agree)."""
 
 
+def _url_fits(value: HttpUrl) -> HttpUrl:
+    if len(str(value)) > MAX_URL_LENGTH:
+        raise ValueError(f"longer than {MAX_URL_LENGTH} characters")
+    return value
+
+
 class WebhookEndpointCreate(BaseModel):
     """A URL to POST signed events to."""
 
@@ -56,9 +62,7 @@ class WebhookEndpointCreate(BaseModel):
     @field_validator("url")
     @classmethod
     def _fits(cls, value: HttpUrl) -> HttpUrl:
-        if len(str(value)) > MAX_URL_LENGTH:
-            raise ValueError(f"longer than {MAX_URL_LENGTH} characters")
-        return value
+        return _url_fits(value)
 
     @field_validator("event_types")
     @classmethod
@@ -67,14 +71,45 @@ class WebhookEndpointCreate(BaseModel):
 
 
 class WebhookEndpointUpdate(BaseModel):
-    """What a PATCH may change."""
+    """What a PATCH may change; a field left out (or null) stays as it is."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(
+        extra="forbid",
+        strict=True,
+        json_schema_extra={
+            "examples": [
+                {"enabled": False},
+                {"url": "https://hooks.example.com/v2", "event_types": ["run.failed"]},
+            ]
+        },
+    )
 
+    url: OutboundUrl | None = Field(
+        default=None,
+        description="A new URL, checked as at registration (the egress policy too). "
+        "Deliveries still pending go to it from their next attempt.",
+    )
+    event_types: list[EventTypeName] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=16,
+        description="The events it receives from now on (replacing the list). Deliveries "
+        "already queued are still sent.",
+    )
     enabled: bool | None = Field(
         default=None, description="Disable it (deliveries wait) or enable it again."
     )
     description: str | None = Field(default=None, max_length=512, pattern=NO_NUL)
+
+    @field_validator("url")
+    @classmethod
+    def _fits(cls, value: HttpUrl | None) -> HttpUrl | None:
+        return None if value is None else _url_fits(value)
+
+    @field_validator("event_types")
+    @classmethod
+    def _once_each(cls, value: list[str] | None) -> list[str] | None:
+        return None if value is None else list(dict.fromkeys(value))
 
 
 class WebhookEndpoint(BaseModel):
@@ -85,6 +120,10 @@ class WebhookEndpoint(BaseModel):
     description: str
     event_types: list[EventTypeName]
     enabled: bool
+    previous_secret_expires_at: datetime | None = Field(
+        description="After a secret rotation: until when deliveries are signed with the "
+        "previous secret too; null when only the current one signs them."
+    )
     created_at: datetime
     updated_at: datetime
 
@@ -92,7 +131,7 @@ class WebhookEndpoint(BaseModel):
 class WebhookEndpointCreated(WebhookEndpoint):
     secret: str = Field(
         description="`whsec_` + base64 of the key that signs every delivery (Standard "
-        "Webhooks): shown only in this answer."
+        "Webhooks): shown only in this answer (of the registration or of a rotation)."
     )
 
 

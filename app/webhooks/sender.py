@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Float, and_, bindparam, insert, literal_column, select, update
+from sqlalchemy import Float, and_, bindparam, delete, insert, literal_column, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.db import is_unavailable, json_dumps, utcnow, write_connection
@@ -47,6 +47,10 @@ log = logging.getLogger(__name__)
 MAX_RESPONSE_BYTES = 64 * 1024
 """A receiver's answer is read up to this size (its body is never stored); more fails."""
 SECRET_PREFIX = "whsec_"
+PRUNE_EVERY_SECONDS = 600.0
+"""How often a sender deletes the deliveries past `TRAINYARD_WEBHOOK_RETENTION_SECONDS`."""
+PRUNE_BATCH = 500
+"""Deliveries deleted per transaction: the write lock is held briefly, never for a backlog."""
 
 
 def new_secret() -> str:
@@ -63,6 +67,13 @@ def sign(secret: str, message_id: str, timestamp: int, body: bytes) -> str:
     return "v1," + base64.b64encode(digest).decode("ascii")
 
 
+def signatures(secrets_: Sequence[str], message_id: str, timestamp: int, body: bytes) -> str:
+    """The `webhook-signature` header for several secrets: their signatures separated by
+    spaces (Standard Webhooks), the current secret's first. A receiver holding any of
+    them accepts the delivery."""
+    return " ".join(sign(secret, message_id, timestamp, body) for secret in secrets_)
+
+
 def lease_seconds(settings: Settings) -> float:
     """How long a claimed delivery stays leased: two full attempts and a margin."""
     return 2 * settings.webhook_timeout_seconds + 5
@@ -75,7 +86,8 @@ class Due:
     id: int
     message_id: str
     url: str
-    secret: str
+    secrets: tuple[str, ...]
+    """The current secret, then the previous one while its grace period lasts."""
     attempts: int
     body: bytes
 
@@ -131,9 +143,13 @@ class WebhookSender:
 
     async def run(self, stopping: asyncio.Event) -> None:
         """Send until `stopping` is set; a batch under way is finished first."""
+        next_prune = time.monotonic()  # at start, then every PRUNE_EVERY_SECONDS
         while not stopping.is_set():
             self._wake.clear()  # before looking: a wake-up while it looks is kept
             try:
+                if time.monotonic() >= next_prune:
+                    next_prune = time.monotonic() + PRUNE_EVERY_SECONDS
+                    await self.prune(stopping=stopping)
                 sent = await self.send_due()
             except Exception as exc:  # keep the loop alive; the next poll tries again
                 if is_unavailable(exc):  # the database restarting: expected, and brief
@@ -152,6 +168,38 @@ class WebhookSender:
             )
             stop.cancel()
             wake.cancel()
+
+    async def prune(
+        self, *, batch: int = PRUNE_BATCH, stopping: asyncio.Event | None = None
+    ) -> int:
+        """Delete the deliveries that ended (succeeded or failed) longer ago than the
+        retention setting, with their attempts, oldest first, `batch` per transaction.
+        Pending ones are never touched. Senders in other workers may prune at the same
+        time: a row already gone is simply not deleted twice. Returns how many went."""
+        cutoff = utcnow() - timedelta(seconds=self.settings.webhook_retention_seconds)
+        old = (
+            select(deliveries.c.id)
+            .where(
+                deliveries.c.finished_at.is_not(None),
+                deliveries.c.finished_at < cutoff,
+                deliveries.c.status.in_((SUCCEEDED, FAILED)),
+            )
+            .order_by(deliveries.c.finished_at)
+            .limit(batch)
+        )
+        removed = 0
+        while True:
+            async with write_connection(self.engine) as conn:
+                ids = list((await conn.execute(old)).scalars())
+                if ids:
+                    await conn.execute(delete(attempts).where(attempts.c.delivery_id.in_(ids)))
+                    await conn.execute(delete(deliveries).where(deliveries.c.id.in_(ids)))
+            removed += len(ids)
+            if len(ids) < batch or (stopping is not None and stopping.is_set()):
+                if removed:
+                    log.info("webhooks: deleted %d deliveries past retention", removed)
+                return removed
+            await asyncio.sleep(0)  # between batches, others may write
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -211,7 +259,7 @@ class WebhookSender:
                 return []
             rows = (await conn.execute(_claimed().where(deliveries.c.id.in_(ids)))).all()
         return [
-            Due(row.id, row.message_id, row.url, row.secret, row.attempts, body_of(row))
+            Due(row.id, row.message_id, row.url, _signing(row, moment), row.attempts, body_of(row))
             for row in rows
         ]
 
@@ -221,7 +269,7 @@ class WebhookSender:
         headers = {
             "webhook-id": due.message_id,
             "webhook-timestamp": str(timestamp),
-            "webhook-signature": sign(due.secret, due.message_id, timestamp, due.body),
+            "webhook-signature": signatures(due.secrets, due.message_id, timestamp, due.body),
         }
         status: int | None = None
         error: str | None = None
@@ -288,6 +336,15 @@ class WebhookSender:
                 )
 
 
+def _signing(row: Any, now: datetime) -> tuple[str, ...]:
+    """The secrets that sign a delivery now: the endpoint's, and its previous one until
+    that expires."""
+    expires = row.previous_secret_expires_at
+    if row.previous_secret is not None and expires is not None and expires > now:
+        return (row.secret, row.previous_secret)
+    return (row.secret,)
+
+
 def _claimed() -> Any:
     """What sending a claimed delivery needs: its endpoint, and its job and event."""
     return (
@@ -302,6 +359,8 @@ def _claimed() -> Any:
             deliveries.c.created_at,
             endpoints.c.url,
             endpoints.c.secret,
+            endpoints.c.previous_secret,
+            endpoints.c.previous_secret_expires_at,
             jobs.c.kind,
             jobs.c.model_name,
             job_events.c.type,

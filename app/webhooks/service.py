@@ -6,8 +6,9 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Sequence
+from datetime import timedelta
 
-from sqlalchemy import insert, select
+from sqlalchemy import delete, insert, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.db import begin_write, utcnow
@@ -31,9 +32,13 @@ def new_endpoint_id() -> str:
     return f"wh_{time.time_ns() // 1000:014x}{secrets.token_hex(5)}"
 
 
-def check_destination(body: WebhookEndpointCreate, policy: EgressPolicy) -> None:
+def check_destination(
+    body: WebhookEndpointCreate | WebhookEndpointUpdate, policy: EgressPolicy
+) -> None:
     """422 for a URL the egress policy refuses before resolving it (an address literal, a
     denied name); every send is checked again when it is made."""
+    if body.url is None:
+        return
     refused = policy.refuse_url(str(body.url))
     if refused is not None:
         error = FieldError(
@@ -46,7 +51,11 @@ def check_destination(body: WebhookEndpointCreate, policy: EgressPolicy) -> None
 
 
 def to_wire(row: WebhookEndpointRow) -> WebhookEndpoint:
-    return WebhookEndpoint.model_validate(row, from_attributes=True)
+    wire = WebhookEndpoint.model_validate(row, from_attributes=True)
+    expires = wire.previous_secret_expires_at
+    if expires is not None and expires <= utcnow():  # the previous secret signs no more
+        wire.previous_secret_expires_at = None
+    return wire
 
 
 async def create_endpoint(
@@ -94,15 +103,53 @@ async def list_endpoints(
 async def update_endpoint(
     session: AsyncSession, endpoint_id: str, *, body: WebhookEndpointUpdate
 ) -> WebhookEndpoint:
+    """Only what the body names changes; an empty body changes nothing (not `updated_at`).
+    Pending deliveries read the endpoint's URL and secret when they are sent, so they go
+    to a new URL from their next attempt; they were queued for the event types of their
+    time and are sent whatever the new list."""
     await begin_write(session)
     row = await get_endpoint(session, endpoint_id)
+    changes = body.model_dump(exclude_none=True)
+    if body.url is not None:
+        row.url = str(body.url)
+    if body.event_types is not None:
+        row.event_types = list(body.event_types)
+        await session.execute(
+            delete(subscriptions).where(subscriptions.c.endpoint_id == endpoint_id)
+        )
+        await session.execute(
+            insert(subscriptions),
+            [{"endpoint_id": endpoint_id, "event_type": type_} for type_ in body.event_types],
+        )
     if body.enabled is not None:
         row.enabled = body.enabled
     if body.description is not None:
         row.description = body.description
-    row.updated_at = utcnow()
+    if changes:
+        row.updated_at = utcnow()
     await session.flush()
     return to_wire(row)
+
+
+async def rotate_secret(
+    session: AsyncSession, endpoint_id: str, *, grace_seconds: float
+) -> WebhookEndpointCreated:
+    """A new secret, returned this once; the current one becomes the previous one and
+    signs deliveries too for `grace_seconds` (none: it stops at once). Rotating again
+    within the grace period drops the older previous secret."""
+    await begin_write(session)
+    row = await get_endpoint(session, endpoint_id)
+    now = utcnow()
+    if grace_seconds > 0:
+        row.previous_secret = row.secret
+        row.previous_secret_expires_at = now + timedelta(seconds=grace_seconds)
+    else:
+        row.previous_secret = None
+        row.previous_secret_expires_at = None
+    row.secret = new_secret()
+    row.updated_at = now
+    await session.flush()
+    return WebhookEndpointCreated(**to_wire(row).model_dump(), secret=row.secret)
 
 
 async def delete_endpoint(session: AsyncSession, endpoint_id: str) -> None:
