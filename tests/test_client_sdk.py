@@ -249,6 +249,17 @@ def _every_operation(url: str, tiny: Path, workdir: Path) -> set[str]:
         assert [h.id for h in client.webhooks.list().data] == [hook.id]
         assert not client.webhooks.update(hook.id, enabled=False).enabled
         assert client.webhooks.get(hook.id).enabled is False
+        moved = client.webhooks.update(
+            hook.id, url="http://127.0.0.1:9/v2", event_types=["run.failed"]
+        )
+        assert (moved.url, moved.event_types, moved.enabled) == (
+            "http://127.0.0.1:9/v2",
+            ["run.failed"],
+            False,
+        )
+        rotated = client.webhooks.rotate_secret(hook.id)
+        assert rotated.secret.startswith("whsec_") and rotated.secret != hook.secret
+        assert rotated.previous_secret_expires_at is not None
         client.webhooks.delete(hook.id)
         client.datasets.delete(dataset.id)
         long = client.runs.create(

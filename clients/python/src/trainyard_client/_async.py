@@ -644,14 +644,29 @@ class Webhooks(_Resource):
 
     @operation("webhooks-update")
     async def update(
-        self, endpoint_id: str, *, enabled: bool | None = None, description: str | None = None
+        self,
+        endpoint_id: str,
+        *,
+        url: str | None = None,
+        event_types: Sequence[str] | None = None,
+        enabled: bool | None = None,
+        description: str | None = None,
     ) -> m.WebhookEndpoint:
-        body = {
-            key: value
-            for key, value in (("enabled", enabled), ("description", description))
-            if value is not None
+        """Change what is given; pending deliveries go to a new `url` from their next try."""
+        changes = {
+            "url": url,
+            "event_types": None if event_types is None else list(event_types),
+            "enabled": enabled,
+            "description": description,
         }
+        body = {key: value for key, value in changes.items() if value is not None}
         return await self._send(calls.webhooks_update(endpoint_id, body))
+
+    @operation("webhooks-rotate_secret")
+    async def rotate_secret(self, endpoint_id: str) -> m.WebhookEndpointCreated:
+        """A new secret, in this answer only; the previous one keeps signing deliveries
+        too until `previous_secret_expires_at` (the server's grace period)."""
+        return await self._send(calls.webhooks_rotate_secret(endpoint_id))
 
     @operation("webhooks-delete")
     async def delete(self, endpoint_id: str) -> None:

@@ -75,6 +75,7 @@ OPERATIONS: dict[str, tuple[str, str]] = {
     "webhooks-delete": ("DELETE", "/v1/webhooks/{endpoint_id}"),
     "webhooks-deliveries": ("GET", "/v1/webhooks/{endpoint_id}/deliveries"),
     "webhooks-test": ("POST", "/v1/webhooks/{endpoint_id}/test"),
+    "webhooks-rotate_secret": ("POST", "/v1/webhooks/{endpoint_id}/rotate-secret"),
     "gateway-chat_completions": ("POST", "/openai/v1/chat/completions"),
     "gateway-models": ("GET", "/openai/v1/models"),
 }
@@ -557,6 +558,12 @@ def webhooks_deliveries(
 
 def webhooks_test(endpoint_id: str) -> Call[m.WebhookDelivery]:
     call = _call("webhooks-test", _json(m.WebhookDelivery), endpoint_id=endpoint_id)
+    return _replace(call, resend=False)
+
+
+def webhooks_rotate_secret(endpoint_id: str) -> Call[m.WebhookEndpointCreated]:
+    # A second rotation would lose the secret the first answer carried: never resent.
+    call = _call("webhooks-rotate_secret", _json(m.WebhookEndpointCreated), endpoint_id=endpoint_id)
     return _replace(call, resend=False)
 
 

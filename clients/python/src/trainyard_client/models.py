@@ -300,6 +300,7 @@ class WebhookEndpoint(_Wire):
     description: str
     event_types: list[str]
     enabled: bool
+    previous_secret_expires_at: datetime | None
     created_at: datetime
     updated_at: datetime
 
