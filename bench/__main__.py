@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 
-from bench import api_start, cpu_step, fanout, ingest, queue, runs
+from bench import api_start, cpu_step, fanout, ingest, queue, reads, runs
 
 
 def main() -> None:
     print("Trainyard benchmarks (ratios are against baselines measured in this same run)")
     api_start.run()
+    reads.run()
     ingest.run()
     asyncio.run(queue.main())
     asyncio.run(cpu_step.run())

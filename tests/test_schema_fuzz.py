@@ -67,12 +67,13 @@ POSITIVE_DATA_ACCEPTANCE_OFF = {
     # must suit the model's backend; trajectories must be trainable (an assistant turn with
     # OpenAI logprobs, roles in order); example ids must be unique; an alias must name a
     # step whose checkpoint is on disk; a schedule needs `epochs` or `max_steps`; a webhook's
-    # URL must pass the egress policy (only loopback here). And strict bodies take no `2.0`
-    # for an integer.
+    # URL, registered or changed, must pass the egress policy (only loopback here). And
+    # strict bodies take no `2.0` for an integer.
     "models-create",
     "training_jobs-create",
     "rollout_jobs-create",
     "webhooks-create",
+    "webhooks-update",
     "checkpoints-set_alias",
     "checkpoints-set_retention",
     # A run's dataset must exist and hold the splits it names; a dataset's lines must each
