@@ -405,3 +405,42 @@ async def test_backend_deletion_never_takes_a_step_newer_than_every_kept_one(tmp
     # Step 4 landed after the caller listed 0..3 and kept 1 and 3.
     await backend._delete_checkpoint_files(model, [1, 3])
     assert sorted(int(p.name) for p in backend.checkpoints_dir(model).iterdir()) == [1, 3, 4]
+
+
+async def test_a_step_shows_on_disk_only_once_its_files_are_all_written(tmp_path) -> None:
+    """Another worker reads the newest step to sample it, and a recovery reads it to decide
+    whether a lost job's step landed: neither may see a step whose files are half written
+    (a rollout asked `m@1` of a server that could not load it yet)."""
+    import art
+
+    backend = DryRunBackend(tmp_path)
+    model = art.TrainableModel(name="m", project="p", base_model="b")
+    await backend.register(model)
+    with backend.writing(model, 1) as partial:
+        (partial / "adapter_config.json").write_text("{}")
+        assert backend.step_on_disk(model) == 0  # what every other reader sees meanwhile
+        assert [p.name for p in backend.checkpoints_dir(model).iterdir() if p.name[0] != "."] == [
+            "0000"
+        ]
+        (partial / "adapter_model.safetensors").write_bytes(b"weights")
+    assert backend.step_on_disk(model) == 1
+    assert sorted(p.name for p in (backend.checkpoints_dir(model) / "0001").iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
+    # A write that fails leaves nothing behind; one that finds its step already in place
+    # keeps that one when asked to.
+    with pytest.raises(RuntimeError), backend.writing(model, 2) as partial:
+        (partial / "adapter_config.json").write_text("{}")
+        raise RuntimeError("killed mid-write")
+    with backend.writing(model, 1, replace=False) as partial:
+        (partial / "adapter_model.safetensors").write_bytes(b"other")
+    assert sorted(p.name for p in backend.checkpoints_dir(model).iterdir()) == ["0000", "0001"]
+    assert (backend.checkpoints_dir(model) / "0001" / "adapter_model.safetensors").read_bytes() == (
+        b"weights"
+    )
+    # A dry-run step is written the same way.
+    trained = await backend.train(model, [])
+    assert (
+        trained.step == 2 and (backend.checkpoints_dir(model) / "0002" / "manifest.json").exists()
+    )

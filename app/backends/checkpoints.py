@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -36,6 +39,30 @@ class CheckpointDirs:
     def checkpoints_dir(self, model: Named) -> Path:
         """Where the model's checkpoints live: one `{step:04d}` directory per step."""
         return self._dir(model)
+
+    @contextmanager
+    def writing(self, model: Named, step: int, *, replace: bool = True) -> Iterator[Path]:
+        """Write `step`'s checkpoint: into a hidden directory beside the others, renamed
+        into place once complete. A reader never sees a step whose files are still being
+        written: not another worker's `step_on_disk` (a rollout would sample a step its
+        server cannot load yet), not a recovery deciding whether a step landed, not a
+        server loading the newest adapter. `replace=False`: a step another process put in
+        place meanwhile is kept, and this one dropped. A crash mid-write leaves the hidden
+        directory (`.NNNN.partial-…`), which nothing reads."""
+        final = self._dir(model) / f"{step:04d}"
+        partial = final.with_name(f".{final.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        partial.mkdir(parents=True)
+        try:
+            yield partial
+            if final.exists():
+                if not replace:
+                    shutil.rmtree(partial, ignore_errors=True)
+                    return
+                shutil.rmtree(final, ignore_errors=True)  # a step written again, as a whole
+            os.rename(partial, final)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
 
     def step_on_disk(self, model: Named) -> int:
         # scandir, not Path.glob: read before and after every step, and glob builds a

@@ -124,7 +124,8 @@ class CpuBackend(CheckpointDirs):
             )
         policy = Policy(base, rank=config.lora_rank, alpha=config.lora_alpha, seed=config.seed)
         if not self.sync(model, policy):
-            policy.save(self._dir(model) / "0000", 0)
+            with self.writing(model, 0, replace=False) as partial:
+                policy.save(partial, 0)
         self._policies[model.name] = (model, policy)
 
     def checkpoint(self, model: art.Model, step: int) -> Path | None:
@@ -201,7 +202,8 @@ class CpuBackend(CheckpointDirs):
             step = self.step_on_disk(model) + 1
             checkpoint = self._dir(model) / f"{step:04d}"
             # Like ART: a step with nothing to learn still advances, as a copy of the last.
-            policy.save(checkpoint, step)
+            with self.writing(model, step) as partial:
+                policy.save(partial, step)
         averaged = (
             {k: sum(s[k] for s in samples) / len(samples) for k in samples[0]} if samples else {}
         )

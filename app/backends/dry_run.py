@@ -98,9 +98,9 @@ class DryRunBackend(CheckpointDirs):
             report_gradient_step({TOTAL_KEY: total, "loss/train": 0.0, "step": index + 1})
         step = self.step_on_disk(model) + 1
         checkpoint = self._dir(model) / f"{step:04d}"
-        checkpoint.mkdir(parents=True)
         manifest = {"metrics": metrics, "hyperparameters": kwargs}
-        (checkpoint / "manifest.json").write_text(json.dumps(manifest, sort_keys=True))
+        with self.writing(model, step) as partial:
+            (partial / "manifest.json").write_text(json.dumps(manifest, sort_keys=True))
         await asyncio.sleep(config.seconds_after_step)
         from art.types import LocalTrainResult
 
