@@ -91,12 +91,16 @@ class Notifier:
     async def _connect(self) -> bool:
         import asyncpg  # Postgres only: a SQLite process never loads the driver
 
+        conn = None
         try:
             conn = await asyncpg.connect(self._dsn)
             for channel in self._channels:
                 await conn.add_listener(channel, self._on_notify)
-        except (OSError, asyncpg.PostgresError) as exc:
+        except Exception as exc:  # whatever it is (a restart also raises InterfaceError and
+            # timeouts): the reconnect loop must go on, a loop that died would never listen
             log.warning("LISTEN unavailable, polling until it is back: %s", exc)
+            if conn is not None:
+                conn.terminate()
             return False
         conn.add_termination_listener(lambda _conn: self._reconnect_later())
         self._conn = conn

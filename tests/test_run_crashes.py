@@ -34,7 +34,7 @@ from tests.processes import start_worker, stop, until
 pytestmark = pytest.mark.slow
 pytest.importorskip("torch")
 
-TRAIN, PER_STEP, EPOCHS, SEED = 8, 2, 2, 11  # 8 steps: 4 per epoch
+TRAIN, PER_STEP, EPOCHS, SEED = 12, 2, 2, 11  # 12 steps: 6 per epoch, time for every kill
 ENDS = {
     "job_retrying",
     "job_released",
