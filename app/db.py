@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import JSON, DateTime, MetaData, event
+from sqlalchemy import JSON, DateTime, Engine, Executable, MetaData, event
+from sqlalchemy import create_engine as create_sync_engine
 from sqlalchemy.dialects.postgresql import JSONB
-from sqlalchemy.engine import Dialect, make_url
+from sqlalchemy.engine import URL, Dialect, make_url
 from sqlalchemy.exc import DBAPIError, DisconnectionError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import (
     AsyncConnection,
@@ -23,7 +26,7 @@ from sqlalchemy.ext.asyncio import (
     async_sessionmaker,
     create_async_engine,
 )
-from sqlalchemy.orm import DeclarativeBase
+from sqlalchemy.orm import DeclarativeBase, Session
 from sqlalchemy.types import TypeDecorator
 
 # Named constraints from the first migration on, so later migrations can drop them by name
@@ -182,6 +185,102 @@ def _ping_when_idle(engine: AsyncEngine) -> None:
 
 def create_sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
     return async_sessionmaker(engine, expire_on_commit=False, autoflush=False)
+
+
+READ_THREADS = 4
+"""Threads that run SQLite reads: reads wait for none of the writer's locks (WAL), so these
+are enough for any number of requests to share."""
+
+
+class Reader:
+    """Reads that an API request makes alone (one job, say), each in one trip off the event
+    loop, returning detached ORM rows.
+
+    SQLite: aiosqlite sends every cursor call to its connection's thread and waits for the
+    answer: BEGIN, execute, fetch, close and the rollback are each a trip, and the GET of
+    one job made 18 of them (`bench/reads.py`). Here the whole read runs on a synchronous
+    connection, read-only (`PRAGMA query_only`), in a small thread pool: one trip, and the
+    event loop never waits on the file.
+    Postgres: asyncpg speaks to the server from the event loop; reads use a session.
+    An in-memory SQLite database is one per connection, so its reads use a session too."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        sessions: async_sessionmaker[AsyncSession],
+        *,
+        sqlite_busy_timeout: float = 5.0,
+    ) -> None:
+        self._sessions = sessions
+        self._sync: Engine | None = None
+        self._threads: ThreadPoolExecutor | None = None
+        url = engine.url
+        if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
+            self._sync = _sqlite_reading_engine(url.set(drivername="sqlite"), sqlite_busy_timeout)
+            self._threads = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="trainyard-read")
+
+    async def scalar(self, statement: Executable, params: dict[str, Any] | None = None) -> Any:
+        """The first column of the first row (an ORM row for `select(Row)`), or None.
+        `params`: the values of the statement's `bindparam`s."""
+        if self._sync is None:
+            async with self._sessions() as session:
+                return await session.scalar(statement, params)
+        return await self._in_thread(lambda session: session.scalar(statement, params))
+
+    async def scalars(self, statement: Executable) -> Sequence[Any]:
+        """The first column of every row."""
+        if self._sync is None:
+            async with self._sessions() as session:
+                return (await session.scalars(statement)).all()
+        return await self._in_thread(lambda session: session.scalars(statement).all())
+
+    async def first(self, statement: Executable) -> Any:
+        """The first row, whole (`select(A, B)`: a row of an A and a B), or None."""
+        if self._sync is None:
+            async with self._sessions() as session:
+                return (await session.execute(statement)).first()
+        return await self._in_thread(lambda session: session.execute(statement).first())
+
+    async def all(self, statement: Executable) -> Sequence[Any]:
+        if self._sync is None:
+            async with self._sessions() as session:
+                return (await session.execute(statement)).all()
+        return await self._in_thread(lambda session: session.execute(statement).all())
+
+    async def _in_thread(self, read: Callable[[Session], Any]) -> Any:
+        engine = self._sync
+
+        def run() -> Any:
+            with Session(engine, expire_on_commit=False, autoflush=False) as session:
+                return read(session)
+
+        return await asyncio.get_running_loop().run_in_executor(self._threads, run)
+
+    def close(self) -> None:
+        if self._threads is not None:
+            self._threads.shutdown(wait=True)
+        if self._sync is not None:
+            self._sync.dispose()
+
+
+def _sqlite_reading_engine(url: URL, busy_timeout: float) -> Engine:
+    """A synchronous engine on the same SQLite file, with the same connection settings,
+    that cannot write."""
+    reading = create_sync_engine(
+        url,
+        json_serializer=json_dumps,
+        pool_size=READ_THREADS,
+        connect_args={"check_same_thread": False},
+    )
+    on_connect = _sqlite_on_connect(busy_timeout)
+
+    def read_only(dbapi_connection: Any, record: Any) -> None:
+        on_connect(dbapi_connection, record)
+        dbapi_connection.execute("PRAGMA query_only=ON")
+
+    # No BEGIN: a read is one statement, and a statement is its own snapshot (autocommit).
+    event.listen(reading, "connect", read_only)
+    return reading
 
 
 async def begin_write(session: AsyncSession) -> None:

@@ -62,6 +62,7 @@ def create_app(
         app.state.process = process
         app.state.engine = process.engine
         app.state.sessions = process.sessions
+        app.state.reader = process.reader
         app.state.notifier = process.notifier
         app.state.backends = process.backends
         app.state.gateway = process.gateway

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from app.backends import Backends
-from app.db import POOL_SPARE, create_engine, create_sessionmaker
+from app.db import POOL_SPARE, Reader, create_engine, create_sessionmaker
 from app.gateway import Gateway
 from app.jobs.store import QueueStore, store_for
 from app.migrate import migrate
@@ -39,6 +39,7 @@ class Process:
     settings: Settings
     engine: AsyncEngine
     sessions: async_sessionmaker[AsyncSession]
+    reader: Reader
     store: QueueStore
     notifier: Notifier
     backends: Backends
@@ -67,9 +68,9 @@ class Process:
         notifier = Notifier()
         backends = Backends(settings, backend_overrides)
         gateway = Gateway(backends, serves_here=worker)
-        process = cls(
-            settings, engine, create_sessionmaker(engine), store, notifier, backends, gateway, None
-        )
+        sessions = create_sessionmaker(engine)
+        reader = Reader(engine, sessions, sqlite_busy_timeout=settings.sqlite_busy_timeout_seconds)
+        process = cls(settings, engine, sessions, reader, store, notifier, backends, gateway, None)
         if settings.migrate_on_start:
             await migrate(engine)
         await notifier.listen(settings.database_url, events=api)
@@ -100,4 +101,5 @@ class Process:
         await self.notifier.close()
         await self.gateway.close()
         await self.backends.close()
+        await asyncio.to_thread(self.reader.close)
         await self.engine.dispose()

@@ -13,6 +13,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from app.db import Reader
 from app.edge import UNAUTHORIZED_DETAIL, key_matches
 from app.schemas.common import NO_NUL
 
@@ -52,6 +53,16 @@ async def require_api_key(
 
 
 Session = Annotated[AsyncSession, Depends(get_session)]
+
+
+async def get_reader(request: Request) -> Reader:
+    # async: FastAPI runs a plain function's dependency in a thread, a trip per request.
+    reader: Reader = request.app.state.reader
+    return reader
+
+
+Reads = Annotated[Reader, Depends(get_reader)]
+"""For a route that only reads, and reads alone: one trip to the database (`app.db.Reader`)."""
 
 # Identifiers and cursors are looked up in the database: no NUL characters (Postgres text
 # cannot hold one, so no stored value has one).

@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request, Response
 
 from app.api.body import Reading, json_body, read_json
-from app.api.deps import Cursor, IdempotencyKey, JobId, ModelFilter, Session
+from app.api.deps import Cursor, IdempotencyKey, JobId, ModelFilter, Reads, Session
 from app.api.job_events import add_event_routes
 from app.egress import EgressPolicy
 from app.jobs import service as jobs_service
@@ -65,14 +65,14 @@ async def create(
 )
 async def list_all(
     request: Request,
-    session: Session,
+    reader: Reads,
     status: Annotated[JobStatus | None, Query(description="Only jobs in this status.")] = None,
     model: ModelFilter = None,
     after: Cursor = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
 ) -> Page[RolloutJob]:
     jobs, has_more = await jobs_service.list_jobs(
-        session,
+        reader,
         kind=ROLLOUT,
         status=status,
         model=model,
@@ -89,8 +89,8 @@ async def list_all(
     summary="Get a rollout job",
     responses=problem_responses(404),
 )
-async def get(job_id: JobId, session: Session) -> RolloutJob:
-    return service.to_wire(await jobs_service.get_job(session, job_id, kind=ROLLOUT))
+async def get(job_id: JobId, reader: Reads) -> RolloutJob:
+    return service.to_wire(await jobs_service.read_job(reader, job_id, kind=ROLLOUT))
 
 
 @router.post(

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Query, Request, Response
 
 from app import datasets as dataset_service
 from app.api.body import Reading, json_body, read_json
-from app.api.deps import Cursor, IdempotencyKey, JobId, ModelFilter, Session
+from app.api.deps import Cursor, IdempotencyKey, JobId, ModelFilter, Reads, Session
 from app.api.job_events import add_event_routes
 from app.errors import InvalidInputError
 from app.jobs import service as jobs_service
@@ -63,14 +63,14 @@ async def create(
     responses=problem_responses(422),
 )
 async def list_all(
-    session: Session,
+    reader: Reads,
     status: Annotated[JobStatus | None, Query(description="Only runs in this status.")] = None,
     model: ModelFilter = None,
     after: Cursor = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
 ) -> Page[Run]:
     rows, has_more = await service.list_runs(
-        session, status=status, model=model, after=after, limit=limit
+        reader, status=status, model=model, after=after, limit=limit
     )
     return Page(
         data=[service.to_wire(job, run) for job, run in rows],
@@ -80,8 +80,8 @@ async def list_all(
 
 
 @router.get("/{run_id}", response_model=Run, summary="Get a run", responses=problem_responses(404))
-async def get(run_id: JobId, session: Session) -> Run:
-    return service.to_wire(*await service.get_run(session, run_id))
+async def get(run_id: JobId, reader: Reads) -> Run:
+    return service.to_wire(*await service.read_run(reader, run_id))
 
 
 async def _set_paused(request: Request, session: Session, run_id: str, paused: bool) -> Run:

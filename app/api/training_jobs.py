@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request, Response
 
 from app.api.body import Reading, json_body, read_json
-from app.api.deps import Cursor, IdempotencyKey, JobId, ModelFilter, Session
+from app.api.deps import Cursor, IdempotencyKey, JobId, ModelFilter, Reads, Session
 from app.api.job_events import add_event_routes
 from app.jobs import service as jobs
 from app.jobs.lifecycle import JobKind, JobStatus
@@ -71,14 +71,14 @@ async def create(
 )
 async def list_all(
     request: Request,
-    session: Session,
+    reader: Reads,
     status: Annotated[JobStatus | None, Query(description="Only jobs in this status.")] = None,
     model: ModelFilter = None,
     after: Cursor = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
 ) -> Page[TrainingJob]:
     rows, has_more = await jobs.list_jobs(
-        session,
+        reader,
         kind=TRAINING,
         status=status,
         model=model,
@@ -95,8 +95,8 @@ async def list_all(
     summary="Get a training job",
     responses=problem_responses(404),
 )
-async def get(job_id: JobId, session: Session) -> TrainingJob:
-    return service.to_wire(await jobs.get_job(session, job_id, kind=TRAINING))
+async def get(job_id: JobId, reader: Reads) -> TrainingJob:
+    return service.to_wire(await jobs.read_job(reader, job_id, kind=TRAINING))
 
 
 @router.post(

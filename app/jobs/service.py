@@ -6,11 +6,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-from sqlalchemy import select
+from sqlalchemy import bindparam, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from app.db import begin_write
+from app.db import Reader, begin_write
 from app.errors import ConflictError, InvalidInputError, NotFoundError, field_errors
 from app.jobs.lifecycle import JobKind, JobStatus, NewJob
 from app.jobs.store import enqueue, request_cancel
@@ -33,8 +33,20 @@ async def get_job(
     return job
 
 
+_READ_JOB = select(JobRow).where(JobRow.id == bindparam("id"), JobRow.kind == bindparam("kind"))
+"""Built once: building a statement costs more than SQLite takes to run it."""
+
+
+async def read_job(reader: Reader, job_id: str, *, kind: JobKind) -> JobRow:
+    """A job as a request reads it alone (`Reader`: one trip off the event loop)."""
+    job = await reader.scalar(_READ_JOB, {"id": job_id, "kind": kind.value})
+    if job is None:
+        raise NotFoundError(f"no {kind.value} job {job_id!r}")
+    return job  # type: ignore[no-any-return]
+
+
 async def list_jobs(
-    session: AsyncSession,
+    reader: Reader,
     *,
     kind: JobKind,
     status: JobStatus | None,
@@ -56,7 +68,7 @@ async def list_jobs(
         query = query.where(JobRow.model_name == model)
     if after:
         query = query.where(JobRow.id < after)
-    rows = (await session.scalars(query)).all()
+    rows = await reader.scalars(query)
     return list(rows[:limit]), len(rows) > limit
 
 

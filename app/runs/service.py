@@ -20,9 +20,9 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.backends import SPECS
 from app.datasets import decode_splits, get_dataset
-from app.db import begin_write, utcnow
+from app.db import Reader, begin_write, utcnow
 from app.egress import EgressPolicy
-from app.errors import ConflictError, InvalidInputError, field_errors
+from app.errors import ConflictError, InvalidInputError, NotFoundError, field_errors
 from app.jobs.events import append_event
 from app.jobs.lifecycle import EventType, JobKind, JobStatus
 from app.jobs.service import enqueue_once, get_job, replay
@@ -218,6 +218,18 @@ async def get_run(
     return job, state
 
 
+async def read_run(reader: Reader, run_id: str) -> tuple[JobRow, RunRow]:
+    """A run as a request reads it alone (`Reader`: one trip off the event loop)."""
+    row = await reader.first(
+        select(JobRow, RunRow)
+        .join(RunRow, RunRow.id == JobRow.id)
+        .where(JobRow.id == run_id, JobRow.kind == RUN.value)
+    )
+    if row is None:
+        raise NotFoundError(f"no run job {run_id!r}")
+    return row[0], row[1]
+
+
 async def set_paused(session: AsyncSession, run_id: str, *, paused: bool) -> tuple[JobRow, RunRow]:
     """Pause: no new child job starts (the one under way finishes). Resume: go on."""
     await begin_write(session)
@@ -236,7 +248,7 @@ async def set_paused(session: AsyncSession, run_id: str, *, paused: bool) -> tup
 
 
 async def list_runs(
-    session: AsyncSession,
+    reader: Reader,
     *,
     status: JobStatus | None,
     model: str | None,
@@ -256,7 +268,7 @@ async def list_runs(
         query = query.where(JobRow.model_name == model)
     if after:
         query = query.where(JobRow.id < after)
-    rows = [(job, run) for job, run in (await session.execute(query)).all()]
+    rows = [(job, run) for job, run in await reader.all(query)]
     return rows[:limit], len(rows) > limit
 
 

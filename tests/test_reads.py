@@ -1,0 +1,153 @@
+"""`app.db.Reader`: the reads a request makes alone (one job, a page of jobs, a run).
+
+On SQLite each read is one trip to a small pool of threads holding read-only connections:
+it must see every commit made before it, return rows usable after the read, never write,
+and never run on the event loop. On Postgres the same calls go through a session."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from sqlalchemy import event, select, update
+from sqlalchemy.exc import OperationalError
+
+from app.db import Reader, create_engine, create_sessionmaker, utcnow, write_connection
+from app.errors import NotFoundError
+from app.jobs import service as jobs
+from app.jobs.lifecycle import JobKind, JobStatus
+from app.jobs.statements import jobs as jobs_table
+from app.jobs.statements import models
+from app.jobs.store import enqueue, new_job
+from app.models import JobRow
+from app.training import spec
+from tests import factories as f
+
+
+@pytest.fixture
+async def engine_and_reader(database_url: str) -> AsyncIterator[tuple[Any, Reader]]:
+    engine = create_engine(database_url)
+    reader = Reader(engine, create_sessionmaker(engine))
+    try:
+        yield engine, reader
+    finally:
+        reader.close()
+        await engine.dispose()
+
+
+async def _job(engine: Any, model: str = "m", **metadata: str) -> str:
+    async with write_connection(engine) as conn:
+        if (
+            await conn.execute(select(models.c.name).where(models.c.name == model))
+        ).first() is None:
+            await conn.execute(
+                models.insert().values(
+                    name=model,
+                    project="p",
+                    base_model="tiny/base",
+                    backend="dry-run",
+                    config={},
+                    current_step=0,
+                    step_known=True,
+                    created_at=utcnow(),
+                    updated_at=utcnow(),
+                )
+            )
+        job = new_job(
+            JobKind.training,
+            model=model,
+            payload=spec.encode(f.art_groups([[1.0, 0.0]])),
+            summary={"num_groups": 1},
+            request_hash="h",
+            max_attempts=2,
+            metadata=metadata,
+        )
+        await enqueue(conn, job)
+    return job.id
+
+
+async def test_a_read_sees_every_commit_made_before_it(engine_and_reader: Any) -> None:
+    engine, reader = engine_and_reader
+    job_id = await _job(engine)
+    first = await jobs.read_job(reader, job_id, kind=JobKind.training)
+    assert (first.status, first.progress_step) == (JobStatus.queued.value, 0)
+    # Changed many times between reads: a pooled reading connection must hold no snapshot
+    # from the read before.
+    for step in range(1, 6):
+        async with write_connection(engine) as conn:
+            await conn.execute(
+                update(jobs_table)
+                .where(jobs_table.c.id == job_id)
+                .values(status=JobStatus.running.value, progress_step=step)
+            )
+        job = await jobs.read_job(reader, job_id, kind=JobKind.training)
+        assert (job.status, job.progress_step) == (JobStatus.running.value, step)
+    # The row is detached, and whole: what a route turns into its answer.
+    assert job.summary == {"num_groups": 1}
+    assert job.created_at.tzinfo is not None
+
+
+async def test_a_missing_job_or_one_of_another_kind_is_not_found(engine_and_reader: Any) -> None:
+    engine, reader = engine_and_reader
+    job_id = await _job(engine)
+    with pytest.raises(NotFoundError):
+        await jobs.read_job(reader, "job_missing", kind=JobKind.training)
+    with pytest.raises(NotFoundError):
+        await jobs.read_job(reader, job_id, kind=JobKind.rollout)
+
+
+async def test_pages_are_newest_first_and_filter_as_asked(engine_and_reader: Any) -> None:
+    engine, reader = engine_and_reader
+    ids = [await _job(engine, "m", team="a" if i % 2 else "b") for i in range(5)]
+    await _job(engine, "other")
+    page, more = await jobs.list_jobs(
+        reader, kind=JobKind.training, status=None, model="m", after=None, limit=2
+    )
+    assert [j.id for j in page] == ids[::-1][:2] and more
+    rest, more = await jobs.list_jobs(
+        reader, kind=JobKind.training, status=None, model="m", after=page[-1].id, limit=10
+    )
+    assert [j.id for j in rest] == ids[::-1][2:] and not more
+    team_a, _ = await jobs.list_jobs(
+        reader,
+        kind=JobKind.training,
+        status=JobStatus.queued,
+        model=None,
+        after=None,
+        limit=10,
+        metadata={"team": "a"},
+    )
+    assert [j.id for j in team_a] == [ids[3], ids[1]]
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+async def test_on_sqlite_a_read_is_one_statement_in_a_reading_thread(
+    engine_and_reader: Any,
+) -> None:
+    engine, reader = engine_and_reader
+    job_id = await _job(engine)
+    seen: list[tuple[str, str]] = []
+
+    def record(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        seen.append((threading.current_thread().name, statement.split()[0].upper()))
+
+    event.listen(reader._sync, "before_cursor_execute", record)  # type: ignore[arg-type]
+    await jobs.read_job(reader, job_id, kind=JobKind.training)
+    # One statement (no BEGIN, no second query), run by a reading thread, off the loop.
+    assert len(seen) == 1, seen
+    thread, verb = seen[0]
+    assert verb == "SELECT"
+    assert thread.startswith("trainyard-read") and thread != threading.main_thread().name
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+async def test_on_sqlite_the_reading_connections_cannot_write(engine_and_reader: Any) -> None:
+    engine, reader = engine_and_reader
+    job_id = await _job(engine)
+    with pytest.raises(OperationalError, match="readonly"):
+        await reader.scalar(
+            update(JobRow).where(JobRow.id == job_id).values(status="failed").returning(JobRow.id)
+        )
+    assert (await jobs.read_job(reader, job_id, kind=JobKind.training)).status == "queued"
