@@ -5,9 +5,10 @@ hands it to the service's `prepare`, all in one step:
 - small bodies (up to `INLINE_BYTES`) in the request's task;
 - larger ones in a thread, with Python's cyclic garbage collector paused meanwhile (a
   collection walks every live object while the body's millions of new ones are being
-  built: seconds during which no thread runs), at most `LARGE_AT_ONCE` at a time. The big
-  objects live and die in that thread: what comes back is what `prepare` keeps (a stored
-  spec, counts), or the problem to answer.
+  built: seconds during which no thread runs), at most `LARGE_AT_ONCE` at a time. What the
+  body was parsed into is freed a little at a time (`app.freeing`); what comes back is
+  what `prepare` keeps (a stored spec, counts), or the problem to answer, and is freed the
+  same way once the response is sent.
 
 Validation takes a body a piece at a time (`app.schemas.pieces`), each piece in one
 short call. The route documents the body with `json_body(model)`, the
@@ -18,12 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import email.message
-import gc
-import sys
-import threading
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -31,7 +27,9 @@ from fastapi import Request
 from pydantic import BaseModel
 
 from app import jsontext
+from app.edge import body_of
 from app.errors import InvalidInputError, LimitExceededError, ProblemError, format_path
+from app.freeing import dispose, dispose_after_response, gc_paused
 from app.schemas.common import FieldError
 from app.schemas.pieces import Piece, validate
 from app.settings import Settings
@@ -79,14 +77,18 @@ class Reading(Generic[M, R]):
 async def read_json(request: Request, reading: Reading[M, R]) -> R:
     """Read, check, validate and prepare the request's JSON body (see the module).
     Raises the ProblemError to answer: 422 (with the path of each bad field) or 413."""
-    raw = await request.body()
+    raw = await body_of(request)
     settings: Settings = request.app.state.settings
     content_type = request.headers.get("content-type")
 
     def read() -> R | ProblemError:
         return _read(raw, content_type, reading, settings)
 
-    outcome = read() if len(raw) <= INLINE_BYTES else await _off_the_loop(request, read)
+    if len(raw) <= INLINE_BYTES:
+        outcome = read()
+    else:
+        outcome = await off_the_loop(request, read)
+        dispose_after_response(request.scope, outcome)
     if isinstance(outcome, ProblemError):
         raise outcome
     return outcome
@@ -95,17 +97,17 @@ async def read_json(request: Request, reading: Reading[M, R]) -> R:
 async def parse_json(request: Request) -> Any:
     """The request's body parsed strictly (`app.jsontext.loads`), in a thread when large.
     Raises `JsonTextError` or `JsonValueErrors`."""
-    raw = await request.body()
+    raw = await body_of(request)
     depth = request.app.state.settings.max_json_depth
     if len(raw) <= INLINE_BYTES:
         return jsontext.loads(raw, max_depth=depth)
-    return await _off_the_loop(request, lambda: jsontext.loads(raw, max_depth=depth))
+    return await off_the_loop(request, lambda: jsontext.loads(raw, max_depth=depth))
 
 
-async def _off_the_loop(request: Request, work: Callable[[], R]) -> R:
-    """`work()` in a thread, with the garbage collector paused, at most LARGE_AT_ONCE at
-    once per app: a slot is given back when the thread ends, even if the request is gone
-    before (a thread cannot be stopped)."""
+async def off_the_loop(request: Request, work: Callable[[], R]) -> R:
+    """`work()` on a large body in a thread, with the garbage collector paused, at most
+    LARGE_AT_ONCE at once per app: a slot is given back when the thread ends, even if the
+    request is gone before (a thread cannot be stopped)."""
     state = request.app.state
     if getattr(state, "large_bodies", None) is None:
         state.large_bodies = asyncio.Semaphore(LARGE_AT_ONCE)
@@ -114,39 +116,6 @@ async def _off_the_loop(request: Request, work: Callable[[], R]) -> R:
     running = asyncio.ensure_future(asyncio.to_thread(_without_gc_pauses, work))
     running.add_done_callback(lambda _: slots.release())
     return await asyncio.shield(running)
-
-
-_gc_lock = threading.Lock()
-_gc_pausers = 0
-_gc_was_enabled = False
-
-
-def _pause_gc() -> None:
-    global _gc_pausers, _gc_was_enabled
-    with _gc_lock:
-        if _gc_pausers == 0:
-            _gc_was_enabled = gc.isenabled()
-            gc.disable()
-        _gc_pausers += 1
-
-
-def _resume_gc() -> None:
-    global _gc_pausers
-    with _gc_lock:
-        _gc_pausers -= 1
-        if _gc_pausers == 0 and _gc_was_enabled:
-            gc.enable()
-
-
-@contextmanager
-def gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector (process-wide) while the block runs; it runs
-    again when the last pause ends (reference counting frees as usual meanwhile)."""
-    _pause_gc()
-    try:
-        yield
-    finally:
-        _resume_gc()
 
 
 def _without_gc_pauses(work: Callable[[], R]) -> R:
@@ -207,42 +176,6 @@ def _read_into(
         return _invalid(field_errors_of(errors), more=more)
     trash.append(body)
     return reading.prepare(body, raw, settings)
-
-
-_disposer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dispose")
-
-
-def dispose(values: list[Any]) -> None:
-    """Free `values` (the caller's only references) in a background thread, a container
-    at a time, with the garbage collector paused until they are gone: what something
-    else still refers to (what a prepared job keeps) is left to it."""
-    _pause_gc()  # now: the caller's pause may end before the disposer starts
-    stack = values[:]
-    values.clear()  # before the disposer starts: it frees only what no one else holds
-    _disposer.submit(_dispose, stack)
-
-
-def _dispose(stack: list[Any]) -> None:
-    try:
-        _free(stack)
-    finally:
-        _resume_gc()
-
-
-def _free(stack: list[Any]) -> None:
-    while stack:
-        item = stack.pop()
-        if sys.getrefcount(item) > 2:  # `item`, and the argument: anyone else keeps it
-            continue
-        if type(item) is list:
-            stack.extend(item)
-            item.clear()
-        elif type(item) is dict:
-            stack.extend(item.values())
-            item.clear()
-        elif isinstance(item, BaseModel):
-            stack.extend(item.__dict__.values())
-            item.__dict__.clear()
 
 
 def _invalid(errors: list[FieldError], *, more: bool = False) -> InvalidInputError:

@@ -8,10 +8,12 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query, Request, Response
 
 from app import datasets as dataset_service
-from app.api.body import Reading, json_body, read_json
+from app.api.body import Reading, json_body, off_the_loop, read_json
 from app.api.deps import Cursor, IdempotencyKey, JobId, ModelFilter, Reads, Session
 from app.api.job_events import add_event_routes
+from app.edge import body_of
 from app.errors import InvalidInputError
+from app.freeing import dispose_after_response
 from app.jobs import service as jobs_service
 from app.jobs.lifecycle import JobKind, JobStatus
 from app.runs import service
@@ -217,12 +219,13 @@ async def upload(
                 )
             ],
         )
-    raw = await request.body()
+    raw = await body_of(request)
     depth = request.app.state.settings.max_json_depth
     if len(raw) > dataset_service.THREAD_BYTES:
-        import asyncio
-
-        parsed = await asyncio.to_thread(dataset_service.parse_jsonl, raw, max_depth=depth)
+        parsed = await off_the_loop(
+            request, lambda: dataset_service.parse_jsonl(raw, max_depth=depth)
+        )
+        dispose_after_response(request.scope, parsed)
     else:
         parsed = dataset_service.parse_jsonl(raw, max_depth=depth)
     dataset, created = await dataset_service.create_dataset(session, name=name, parsed=parsed)

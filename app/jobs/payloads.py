@@ -60,11 +60,10 @@ class Codec(Generic[T]):
     def encode(self, document: Any) -> Payload:
         # `json_dumps`'s text, built a piece at a time: a large spec is encoded in a
         # thread while the event loop keeps serving (see `app.jsontext`).
-        return self.encode_json(jsontext.dumps(document))
+        return self.encode_json(jsontext.dumps_bytes(document))
 
-    def encode_json(self, text: str) -> Payload:
-        """A document already encoded as JSON text."""
-        raw = text.encode()
+    def encode_json(self, raw: bytes) -> Payload:
+        """A document already encoded as JSON (UTF-8)."""
         return Payload(self.current, compress(raw), len(raw))
 
     def decode(self, payload_format: str, data: bytes, size: int) -> T:

@@ -42,7 +42,7 @@ class Prepared:
 
     body: RolloutJobCreate  # without its examples (`examples` is empty): see below
     num_examples: int
-    examples: str  # the examples as the spec stores them (JSON)
+    examples: bytes  # the examples as the spec stores them (JSON, UTF-8)
     errors: list[dict[str, Any]]  # examples without the answer their grader needs
     request_hash: str
 
@@ -141,7 +141,7 @@ async def create_rollout_job(
     if recipe.train is not None:  # stored normalized, as the training job will hold them
         train = recipe.train.model_copy(update={"hyperparameters": train_hyperparameters})
         recipe = recipe.model_copy(update={"train": train})
-    if len(job.examples) > _THREAD_CHARS:
+    if len(job.examples) > _THREAD_BYTES:
         payload = await asyncio.to_thread(spec.encode, recipe, job.examples)
     else:
         payload = spec.encode(recipe, job.examples)
@@ -161,7 +161,7 @@ async def create_rollout_job(
 
 
 # Specs above this are compressed in a thread, so the event loop keeps serving.
-_THREAD_CHARS = 1 << 20
+_THREAD_BYTES = 1 << 20
 
 
 def training_child(
