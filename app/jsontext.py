@@ -386,36 +386,36 @@ def _printable(path: Loc) -> Loc:
 def dumps(value: Any) -> str:
     """`app.db.json_dumps(value)`: the same text, encoded a piece of at most about
     `PIECE` nodes at a time (see the module)."""
-    return "".join(_pieces(value))
+    return "".join(_pieces(value, _Weights()))
 
 
 def dumps_bytes(value: Any) -> bytes:
     """`dumps(value)` as UTF-8, for a large document. Joining str pieces, or encoding a
     large str, is one call that holds the GIL while it copies (50 MB: tens of ms, more on
     a loaded machine); `bytes.join` copies without it (from 1 MiB on)."""
-    return b"".join([piece.encode() for piece in _pieces(value)])
+    return b"".join([piece.encode() for piece in _pieces(value, _Weights())])
 
 
 PIECE = 4096
 """Nodes (values; a long string counts as several) one call of the encoder may take."""
 
 
-def _pieces(value: Any) -> Iterator[str]:
-    if _weight(value, PIECE) is not None:
+def _pieces(value: Any, weights: _Weights) -> Iterator[str]:
+    if weights.of(value) is not None:
         yield json_dumps(value)
     elif isinstance(value, dict) and all(type(key) is str for key in value):
         yield "{"
-        yield from _members(list(value.items()), "{}")
+        yield from _members(list(value.items()), "{}", weights)
         yield "}"
     elif isinstance(value, list | tuple):
         yield "["
-        yield from _members(value, "[]")
+        yield from _members(value, "[]", weights)
         yield "]"
     else:
         yield json_dumps(value)
 
 
-def _members(members: Any, brackets: str) -> Iterator[str]:
+def _members(members: Any, brackets: str, weights: _Weights) -> Iterator[str]:
     """An object's members (key, value) or an array's items, separated as `json.dumps`
     separates them: small neighbours are encoded together, each larger one in pieces."""
     batch: list[Any] = []
@@ -423,7 +423,7 @@ def _members(members: Any, brackets: str) -> Iterator[str]:
     first = True
     for member in members:
         item = member[1] if brackets == "{}" else member
-        weight = _weight(item, PIECE)
+        weight = weights.of(item)
         if weight is not None and weight < room:
             batch.append(member)
             room -= weight + 1
@@ -440,7 +440,7 @@ def _members(members: Any, brackets: str) -> Iterator[str]:
         first = False
         if brackets == "{}":
             yield json.dumps(member[0]) + ": "
-        yield from _pieces(item)
+        yield from _pieces(item, weights)
     if batch:
         yield ("" if first else ", ") + _encode_batch(batch, brackets)
 
@@ -449,24 +449,42 @@ def _encode_batch(batch: list[Any], brackets: str) -> str:
     return json_dumps(dict(batch) if brackets == "{}" else batch)[1:-1]
 
 
-def _weight(value: Any, budget: int) -> int | None:
-    """How many nodes `value` has (a long string counts as several), or None if more
-    than `budget`."""
-    total = 0
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        kind = type(item)
+class _Weights:
+    """How many nodes a value has (a long string counts as several), or None if more than
+    `PIECE`, for one document being encoded. Each container's weight is remembered (by
+    `id`, while the document is alive): walking down into a heavy container, its members
+    were weighed already, so every node is counted about once rather than once per level
+    above it (that was 3.5x the time of encoding the document whole)."""
+
+    __slots__ = ("_known",)
+
+    def __init__(self) -> None:
+        self._known: dict[int, int | None] = {}
+
+    def of(self, value: Any) -> int | None:
+        kind = type(value)
         if kind is str:
-            total += 1 + (len(item) >> 6)
-        elif kind is dict:
-            total += 1 + len(item)
-            stack.extend(item.values())
-        elif kind is list or kind is tuple:
-            total += 1 + len(item)
-            stack.extend(item)
-        else:
-            total += 1
-        if total > budget:
-            return None
-    return total
+            return 1 + (len(value) >> 6)
+        if kind is not dict and kind is not list and kind is not tuple:
+            return 1
+        key = id(value)
+        if key in self._known:
+            return self._known[key]
+        total = 1 + len(value)
+        weight: int | None = None
+        if total <= PIECE:
+            for item in value.values() if kind is dict else value:
+                inner = type(item)
+                if inner is str:
+                    total += len(item) >> 6
+                elif inner is dict or inner is list or inner is tuple:
+                    below = self.of(item)
+                    if below is None:
+                        break
+                    total += below - 1
+                if total > PIECE:
+                    break
+            else:
+                weight = total
+        self._known[key] = weight
+        return weight
