@@ -152,7 +152,7 @@ async def test_backends_that_cannot_run_here_fail_the_job_clearly(
     assert message in done["error"]["message"]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs the cpu extra")
+@pytest.mark.torch
 async def test_make_tiny_model_command_writes_a_loadable_chat_model(tmp_path) -> None:
     trainyard = str(Path(sys.executable).parent / "trainyard")
     process = await asyncio.create_subprocess_exec(

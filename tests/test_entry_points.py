@@ -1,10 +1,11 @@
 """Every entry point keeps litellm offline.
 
-ART imports litellm (0.5.18 on `import art`, 0.5.23 on first use), which fetches a model-cost map from the internet at import time unless
-LITELLM_LOCAL_MODEL_COST_MAP is set. Each entry point (the `trainyard` CLI, the benchmarks,
-the tests, the GPU smoke script) sets it before anything can import ART; here each is
-imported in a fresh interpreter without the variable, and the variable is read at the
-moment litellm's import begins (which then stops, so nothing goes online).
+ART imports litellm (0.5.18 on `import art`, 0.5.23 when first used), which fetches a
+model-cost map from the internet at import time unless LITELLM_LOCAL_MODEL_COST_MAP is set.
+Each entry point (the `trainyard` CLI, the benchmarks, the tests, the GPU smoke script) sets
+it before anything can import ART; here each is imported in a fresh interpreter without the
+variable, and the variable is read at the moment litellm's import begins (which then stops,
+so nothing goes online).
 """
 
 from __future__ import annotations
