@@ -3,14 +3,15 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-# openpipe-art 0.5.23 needs Python 3.12: its own venv (ART without torch, and the client)
-# runs the README's ART program in tests/test_art_backend.py beside 0.5.18 in .venv.
+# openpipe-art 0.5.23 needs Python 3.12: its own venv, .venv-art, holds it (without torch),
+# the server with its dev extra and the client. It runs the README's ART program in
+# tests/test_art_backend.py beside 0.5.18 in .venv, and the whole suite (`make test-312`).
 PY312     ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
 ART_STAMP := .venv-art/.installed
 NAT_VENV  ?= .venv-nat
 NAT_STAMP := $(NAT_VENV)/.installed
 
-.PHONY: run test lint typecheck check openapi bench bench-compare clean
+.PHONY: run test test-312 lint typecheck check openapi bench bench-compare clean
 
 # The server with its dev and cpu extras, and the client distribution (clients/python: SDK
 # and CLI) beside it, editable, so its tests run against this checkout's server.
@@ -21,10 +22,14 @@ $(STAMP): pyproject.toml constraints.txt clients/python/pyproject.toml
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev,cpu]" -e "clients/python[cli,art]"
 	@touch $(STAMP)
 
-$(ART_STAMP): clients/python/pyproject.toml constraints-art.txt
+# No cpu extra: every torch for Python 3.12 here is a multi-GB CUDA build. constraints-art.txt
+# is this environment's `pip freeze --exclude-editable`.
+$(ART_STAMP): pyproject.toml clients/python/pyproject.toml constraints-art.txt
 	rm -rf .venv-art
 	$(PY312) -m venv .venv-art
-	.venv-art/bin/python -m pip install --quiet -c constraints-art.txt "openpipe-art==0.5.23" -e "clients/python[art]"
+	.venv-art/bin/python -m pip install --quiet -c constraints-art.txt "openpipe-art==0.5.23" \
+		-e ".[dev]" -e "clients/python[cli,art]"
+	@.venv-art/bin/python -c 'import importlib.util, sys; sys.exit("torch got into .venv-art") if importlib.util.find_spec("torch") else None'
 	@touch $(ART_STAMP)
 
 # NeMo Agent Toolkit 1.9 in an environment of its own (its dependencies and the server's
@@ -53,6 +58,11 @@ run: $(STAMP)
 ## with the environments the ART 0.5.23 and `nat finetune` tests run.
 test: $(STAMP) $(ART_STAMP) $(NAT_STAMP)
 	$(BIN)/pytest -q $(PYTEST_ARGS)
+
+## The suite again on Python 3.12 with openpipe-art 0.5.23 (.venv-art), on SQLite only. It
+## has no torch: the tests marked `torch` are skipped, and the summary names each of them.
+test-312: $(ART_STAMP) $(NAT_STAMP)
+	env -u TRAINYARD_TEST_DATABASE_URL .venv-art/bin/pytest -q $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

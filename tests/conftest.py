@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import importlib.util
 import os
 import shutil
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
@@ -30,6 +31,10 @@ from app.server import config as server_config
 from app.settings import Settings
 
 POSTGRES_URL = os.environ.get("TRAINYARD_TEST_DATABASE_URL")
+# Tests marked `torch` (the cpu backend, tiny models, transformers/peft) need the cpu
+# extra; the Python 3.12 environment (.venv-art) has no torch, and skips them all here.
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+NEEDS_TORCH = "needs torch (the cpu extra), which this environment does not have"
 DIALECTS = ["sqlite"] + (["postgres"] if POSTGRES_URL else [])
 
 T = TypeVar("T")
@@ -61,7 +66,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """A module marked `any_database` tests what lies before or beside the database (the
     HTTP edge, bodies on their way in, the event loop under attack, the client libraries):
     its tests need a database to stand on but do not depend on which, so they run on
-    SQLite only. Everything that stores, claims, recovers or migrates runs on both."""
+    SQLite only. Everything that stores, claims, recovers or migrates runs on both.
+
+    A test marked `torch` is skipped, each by name, where torch is not installed."""
+    if not HAS_TORCH:
+        for item in items:
+            if item.get_closest_marker("torch"):
+                item.add_marker(pytest.mark.skip(reason=NEEDS_TORCH))
     dropped = [
         item
         for item in items
@@ -94,6 +105,19 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         terminalreporter.section("measured figures")
         for line in lines:
             terminalreporter.write_line(line)
+    # Every skipped test (or module) by name, under its reason, so a log shows what did not
+    # run and why: the torch-only tests where the cpu extra is not installed, among others.
+    skipped: dict[str, list[str]] = {}
+    for report in terminalreporter.stats.get("skipped", []):
+        longrepr = report.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+        skipped.setdefault(reason.removeprefix("Skipped: "), []).append(report.nodeid)
+    if skipped:
+        terminalreporter.section(f"skipped: {sum(map(len, skipped.values()))}")
+        for reason, nodeids in sorted(skipped.items(), key=lambda kv: -len(kv[1])):
+            terminalreporter.write_line(f"{len(nodeids)} {reason}")
+            for nodeid in nodeids:
+                terminalreporter.write_line(f"    {nodeid}")
 
 
 async def reset_postgres(url: str) -> None:

@@ -16,10 +16,12 @@ from typing import Any
 import pytest
 from openai.types.chat.chat_completion import Choice
 
-pytestmark = pytest.mark.any_database
+pytestmark = [
+    pytest.mark.any_database,
+    pytest.mark.torch,
+]  # the cpu backend trains behind the server
 
 art = pytest.importorskip("art")
-pytest.importorskip("torch")  # the cpu backend trains behind the server
 
 from tests.conftest import LiveServer  # noqa: E402
 from tests.test_readme import README, fenced_blocks  # noqa: E402

@@ -21,8 +21,7 @@ from app.settings import Settings
 from tests.hostile import RawServer, Seen, answer, gzip_bomb, head
 from tests.processes import free_port, start_api, stop, wait_ready
 
-pytest.importorskip("torch")
-pytestmark = [pytest.mark.slow, pytest.mark.any_database]
+pytestmark = [pytest.mark.slow, pytest.mark.any_database, pytest.mark.torch]
 
 KEY = "attack-test-key"
 AUTH = {"authorization": f"Bearer {KEY}"}

@@ -20,7 +20,7 @@ from app.backends.dry_run import DryRunBackend
 from app.backends.tiny_model import make_tiny_model
 from tests.backends import wait_final, wait_status
 
-pytest.importorskip("torch")
+pytestmark = pytest.mark.torch
 PROMPT = [{"role": "user", "content": "say yes"}]
 PROBLEM = "application/problem+json"
 

@@ -256,10 +256,10 @@ async def test_submit_list_and_inspect_as_json(
     assert runs["nokey"].code == EXIT_REFUSED and "401 Unauthorized" in runs["nokey"].err
 
 
+@pytest.mark.torch
 async def test_a_rollout_followed_into_its_training_job_and_a_run_with_its_curve(
     serve: Callable[..., LiveServer], tmp_path: Path
 ) -> None:
-    pytest.importorskip("torch")
     from app.backends.tiny_model import make_tiny_model
 
     tiny = await asyncio.to_thread(make_tiny_model, tmp_path / "models" / "tiny")

@@ -283,10 +283,10 @@ def _every_operation(url: str, tiny: Path, workdir: Path) -> set[str]:
     return called
 
 
+@pytest.mark.torch
 async def test_every_operation_against_a_live_server(
     serve: Callable[..., LiveServer], tmp_path: Path
 ) -> None:
-    pytest.importorskip("torch")
     tiny = await asyncio.to_thread(make_tiny_model, tmp_path / "models" / "tiny")
     async with serve(worker_enabled=True, model_roots=[tiny.parent]) as live:
         called = await asyncio.to_thread(_every_operation, live.url, tiny, tmp_path)

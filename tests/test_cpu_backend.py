@@ -17,7 +17,7 @@ from app.main import create_app
 from tests.backends import wait_final
 from tests.conftest import LiveServer
 
-pytest.importorskip("torch")
+pytestmark = pytest.mark.torch
 PROMPT = [{"role": "user", "content": "say yes"}]
 
 

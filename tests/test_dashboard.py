@@ -23,7 +23,6 @@ from app.settings import Settings
 from tests import factories as f
 from tests.processes import free_port, start_api, stop, wait_ready
 
-pytest.importorskip("torch")  # the demo model trains on the cpu backend
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
 CHROMIUM = Path("/usr/bin/chromium")
 if not CHROMEDRIVER.exists():
@@ -42,7 +41,7 @@ from selenium.common.exceptions import (  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.torch]  # the demo model trains on the cpu backend
 KEY = "dashboard-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 WAIT = 30.0  # seconds for anything the page should show

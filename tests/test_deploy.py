@@ -541,6 +541,7 @@ def test_dockerignore_keeps_secrets_and_virtualenvs_out() -> None:
     for path in (
         ".git/config",
         ".venv/bin/python",
+        ".venv-art/bin/python",
         ".venv-nat/bin/python",
         ".env",
         "app/__pycache__/x.cpython-311.pyc",

@@ -1,10 +1,11 @@
 """Every entry point keeps litellm offline.
 
-ART imports litellm, which fetches a model-cost map from the internet at import time unless
-LITELLM_LOCAL_MODEL_COST_MAP is set. Each entry point (the `trainyard` CLI, the benchmarks,
-the tests, the GPU smoke script) sets it before anything can import ART; here each is
-imported in a fresh interpreter without the variable, and the variable is read at the
-moment litellm's import begins (which then stops, so nothing goes online).
+ART imports litellm (0.5.18 on `import art`, 0.5.23 when first used), which fetches a
+model-cost map from the internet at import time unless LITELLM_LOCAL_MODEL_COST_MAP is set.
+Each entry point (the `trainyard` CLI, the benchmarks, the tests, the GPU smoke script) sets
+it before anything can import ART; here each is imported in a fresh interpreter without the
+variable, and the variable is read at the moment litellm's import begins (which then stops,
+so nothing goes online).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ class Watch:
 sys.meta_path.insert(0, Watch())
 try:
     ENTRY
-    import art  # whatever the entry point runs later
+    import art  # whatever the entry point runs later: ART 0.5.18 imports litellm with it,
+    import litellm  # 0.5.23 when a part of ART that uses it is first used
 except LitellmImported as imported:
     print("LITELLM_LOCAL_MODEL_COST_MAP when litellm was imported:", imported.args[0])
 """

@@ -20,7 +20,7 @@ from tests.backends import wait_final
 from tests.conftest import LiveServer
 from tests.processes import free_port
 
-pytest.importorskip("torch")
+pytestmark = pytest.mark.torch
 KEY = "gateway-test-key"
 PROMPT = [{"role": "user", "content": "say yes"}]
 

@@ -137,8 +137,8 @@ async def _failed_job_error(live, base: str, name: str) -> str:
     return str(done["error"]["message"])
 
 
+@pytest.mark.torch
 async def test_a_stored_model_outside_the_roots_fails_alike_whether_it_exists(serve, disk) -> None:
-    pytest.importorskip("torch")
     pairs = [("/etc", "/no-such-dir"), (str(disk["outside"] / "secret"), "/nope/x")]
     async with serve(worker_enabled=True, model_roots=[disk["root"]]) as live:
         for i, (exists, missing) in enumerate(pairs):
@@ -148,8 +148,8 @@ async def test_a_stored_model_outside_the_roots_fails_alike_whether_it_exists(se
             assert "model roots" in there
 
 
+@pytest.mark.torch
 async def test_a_model_swapped_for_a_symlink_out_of_the_roots_is_not_loaded(disk) -> None:
-    pytest.importorskip("torch")
     import art
 
     from app.backends.cpu import CpuBackend

@@ -109,6 +109,7 @@ async def test_the_adapter_maps_statuses_and_raises_failures(
     assert ran.returncode == 0 and ran.stdout.strip() == "ok", ran.stdout + ran.stderr
 
 
+@pytest.mark.torch  # the `demo` model is made and trained on the cpu backend
 def test_nat_finetune_trains_the_demo_model_one_step_per_epoch(tmp_path: Path) -> None:
     nat_or_skip()
     server = Server(tmp_path / "var", tmp_path / "server.log")

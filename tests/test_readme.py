@@ -509,6 +509,7 @@ class Shell:
 
 
 @pytest.mark.slow
+@pytest.mark.torch  # the tour's `demo` model is made and trained on the cpu backend
 def test_every_curl_example_runs_against_a_live_server(tmp_path: Path, server: Server) -> None:
     for tool in ("bash", "curl", "jq"):
         assert shutil.which(tool), f"the README's API tour needs `{tool}` on PATH"

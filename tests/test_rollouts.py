@@ -16,7 +16,7 @@ from app.backends.tiny_model import make_tiny_model
 from tests import factories as f
 from tests.conftest import LiveServer
 
-pytest.importorskip("torch")
+pytestmark = pytest.mark.torch
 EXAMPLES = [
     {"id": "yes", "messages": [{"role": "user", "content": "say yes"}], "expected": "yes"},
     {

@@ -31,8 +31,7 @@ from app.services.models import create_model
 from app.settings import Settings
 from tests.processes import start_worker, stop, until
 
-pytestmark = pytest.mark.slow
-pytest.importorskip("torch")
+pytestmark = [pytest.mark.slow, pytest.mark.torch]
 
 TRAIN, PER_STEP, EPOCHS, SEED = 12, 2, 2, 11  # 12 steps: 6 per epoch, time for every kill
 ENDS = {

@@ -18,7 +18,7 @@ from fastapi import FastAPI
 from app.backends.tiny_model import make_tiny_model
 from tests.conftest import LiveServer
 
-pytest.importorskip("torch")
+pytestmark = pytest.mark.torch
 FINAL = {"succeeded", "failed", "cancelled"}
 JSONL = {"Content-Type": "application/jsonl"}
 

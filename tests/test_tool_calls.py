@@ -66,12 +66,12 @@ def test_arguments_given_as_a_json_string_are_kept_as_they_are() -> None:
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    pytest.importorskip("torch")
     from app.backends.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tools") / "tiny")
 
 
+@pytest.mark.torch
 def test_the_chat_template_renders_tools_and_calls_the_parser_reads_back(tiny_model) -> None:
     from transformers import AutoTokenizer
 
@@ -100,6 +100,7 @@ def test_the_chat_template_renders_tools_and_calls_the_parser_reads_back(tiny_mo
     assert plain == "<|user|> weather <|end|> <|assistant|> "
 
 
+@pytest.mark.torch
 async def test_tools_reach_the_prompt_through_the_gateway(serve, tiny_model) -> None:
     async with serve(worker_enabled=True, model_roots=[tiny_model.parent]) as live:
         created = await live.client.post(

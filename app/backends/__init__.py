@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ValidationError
 
 from app.backends import art_backends
-from app.backends.base import BackendError, ModelSpec, TrainerAdapter
+from app.backends.base import BackendError, ModelSpec, TrainerAdapter, trainable_model
 from app.backends.cpu import CpuBackend, CpuConfig, CpuHyperparameters
 from app.backends.dry_run import DryRunBackend, DryRunConfig
 from app.backends.hyperparameters import ArtLocalHyperparameters, ArtServerlessHyperparameters
@@ -33,11 +33,7 @@ class BackendSpec:
 
 
 def _model_with_config(spec: ModelSpec, config: BaseModel) -> art.TrainableModel:
-    import art
-
-    return art.TrainableModel(
-        name=spec.name, project=spec.project, base_model=spec.base_model, config=config
-    )
+    return trainable_model(spec, config=config)
 
 
 SPECS: dict[str, BackendSpec] = {

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from app.backends.base import BackendError, ModelSpec
+from app.backends.base import BackendError, ModelSpec, trainable_model
 
 if TYPE_CHECKING:
     import art
@@ -64,15 +64,8 @@ def create_local(data_dir: Path) -> Any:
 
 
 def local_model(spec: ModelSpec, config: BaseModel) -> art.TrainableModel:
-    import art
-
     internal = config.model_dump(exclude_unset=True) or None
-    return art.TrainableModel(
-        name=spec.name,
-        project=spec.project,
-        base_model=spec.base_model,
-        _internal_config=internal,  # type: ignore[arg-type]
-    )
+    return trainable_model(spec, _internal_config=internal)
 
 
 def create_serverless(_data_dir: Path) -> Any:
@@ -91,6 +84,4 @@ def create_serverless(_data_dir: Path) -> Any:
 
 
 def serverless_model(spec: ModelSpec, _config: BaseModel) -> art.TrainableModel:
-    import art
-
-    return art.TrainableModel(name=spec.name, project=spec.project, base_model=spec.base_model)
+    return trainable_model(spec)

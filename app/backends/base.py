@@ -95,6 +95,21 @@ class ModelSpec:
     config: dict[str, Any] = field(default_factory=dict)
 
 
+def trainable_model(spec: ModelSpec, **extra: Any) -> art.TrainableModel:
+    """`spec` as an `art.TrainableModel`, on openpipe-art 0.5.18 and 0.5.23 alike.
+
+    0.5.23 requires `run_name` (the name its checkpoints and W&B run are stored under;
+    `name` stays the served alias); 0.5.18 has no such field and refuses it. The run is
+    named after the model, so a model's checkpoints lie where 0.5.18 kept them."""
+    import art
+
+    if "run_name" in art.TrainableModel.model_fields:
+        extra["run_name"] = spec.name
+    return art.TrainableModel(
+        name=spec.name, project=spec.project, base_model=spec.base_model, **extra
+    )
+
+
 @dataclass(frozen=True)
 class TrainOutcome:
     step: int

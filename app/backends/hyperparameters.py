@@ -2,8 +2,10 @@
 
 They mirror the keyword-only parameters of `train()` in openpipe-art 0.5.18
 (`art.local.LocalBackend.train`, `art.ServerlessBackend.train`); a test reads ART's
-installed source and fails when the two drift apart. Unknown keys are rejected rather
-than silently dropped, and `verbose` is left out: it only changes ART's console output.
+installed source and fails when the two drift apart. 0.5.23's `train()` takes all of these
+and more; the API offers only what both releases take (tests/test_backends.py names the
+rest). Unknown keys are rejected rather than silently dropped, and `verbose` is left out:
+it only changes ART's console output.
 """
 
 from __future__ import annotations

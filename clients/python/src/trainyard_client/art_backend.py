@@ -157,7 +157,11 @@ class TrainyardBackend:
         (an unknown or invalid one: ValidationError naming it; nothing is submitted).
         Raises JobFailedError if the job fails or is cancelled, WaitTimeoutError past
         `timeout` (the job goes on)."""
-        groups = [group.model_dump(mode="json") for group in trajectory_groups]
+        # Every field, defaults included: openpipe-art 0.5.23 leaves out fields at their
+        # default (a reward of 0.0 among them), and the API requires `reward`.
+        groups = [
+            group.model_dump(mode="json", exclude_defaults=False) for group in trajectory_groups
+        ]
         submitted = await self.client.training_jobs.create(
             model=model.name,
             groups=groups,
