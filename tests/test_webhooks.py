@@ -293,11 +293,17 @@ async def test_a_receiver_that_was_down_gets_everything_after_a_restart(
             await create_model(client, "down")
             ids = [(await submit(client, "down")).json()["id"] for _ in range(20)]
 
-            async def failing() -> bool:  # every job ended, and each delivery failed once
-                messages = {h["webhook-id"] for h, _ in receiver.requests}
-                return len(messages) == len(ids)
+            log = f"/v1/webhooks/{endpoint['id']}/deliveries"
 
-            await until(failing, timeout=60, what="a failed attempt of each delivery")
+            async def failing() -> bool:  # every job ended, and each delivery failed once
+                # Recorded, not only received: a kill between the receiver's 503 and its
+                # record would leave that delivery's first recorded attempt a later one.
+                page = (await client.get(log, params={"limit": 100})).json()
+                return len(page["data"]) == len(ids) and all(
+                    any(a["status_code"] == 503 for a in d["attempts"]) for d in page["data"]
+                )
+
+            await until(failing, timeout=60, what="a recorded 503 of each delivery")
         if how == "sigkill":
             api.kill()
             api.wait()
@@ -307,7 +313,6 @@ async def test_a_receiver_that_was_down_gets_everything_after_a_restart(
         api = start_api(settings, api_port, **extra)
         await wait_ready(url, [api])
         async with httpx.AsyncClient(base_url=url, timeout=30) as client:
-            log = f"/v1/webhooks/{endpoint['id']}/deliveries"
 
             async def refused() -> bool:
                 page = (await client.get(log, params={"limit": 100})).json()
