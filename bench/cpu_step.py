@@ -26,7 +26,7 @@ PROMPT = [{"role": "user", "content": "what is the weather today ?"}]
 async def run(repeat: int = 5) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         base = make_tiny_model(Path(tmp) / "tiny")
-        backend = CpuBackend(Path(tmp) / "cpu")
+        backend = CpuBackend(Path(tmp) / "cpu", model_roots=[Path(tmp)])
         model = art.TrainableModel(
             name="bench", project="bench", base_model=str(base), config=CpuConfig()
         )
