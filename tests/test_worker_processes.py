@@ -8,7 +8,7 @@ import signal
 import pytest
 from sqlalchemy import func, select
 
-from app.models import JobRow
+from app.models import JobRow, WorkerRow
 from tests.processes import (
     check_one_claim_and_no_overlap,
     claim_owners,
@@ -103,6 +103,16 @@ async def test_two_workers_on_postgres_share_a_burst_without_overlap(
     # Two slots each for four models: neither worker can take the whole burst alone.
     workers = [start_worker(env.settings, TRAINYARD_WORKER_CONCURRENCY="2") for _ in range(2)]
     try:
+
+        async def both_started() -> bool:  # a slow start would leave the burst to the other
+            async with env.sessions() as session:
+                started = await session.scalar(
+                    select(func.count()).select_from(WorkerRow).where(WorkerRow.pid.in_(pids))
+                )
+            return started == len(workers)
+
+        pids = [worker.pid for worker in workers]
+        await until(both_started, timeout=120, what="both workers to start")
         job_ids = [await env.job(models[i % 4]) for i in range(40)]
 
         async def all_done() -> bool:
