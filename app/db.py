@@ -222,33 +222,26 @@ class Reader:
     async def scalar(self, statement: Executable, params: dict[str, Any] | None = None) -> Any:
         """The first column of the first row (an ORM row for `select(Row)`), or None.
         `params`: the values of the statement's `bindparam`s."""
-        if self._sync is None:
-            async with self._sessions() as session:
-                return await session.scalar(statement, params)
-        return await self._in_thread(lambda session: session.scalar(statement, params))
+        return await self._run(lambda session: session.scalar(statement, params))
 
     async def scalars(self, statement: Executable) -> Sequence[Any]:
         """The first column of every row."""
-        if self._sync is None:
-            async with self._sessions() as session:
-                return (await session.scalars(statement)).all()
-        return await self._in_thread(lambda session: session.scalars(statement).all())
+        return await self._run(lambda session: session.scalars(statement).all())
 
     async def first(self, statement: Executable) -> Any:
         """The first row, whole (`select(A, B)`: a row of an A and a B), or None."""
-        if self._sync is None:
-            async with self._sessions() as session:
-                return (await session.execute(statement)).first()
-        return await self._in_thread(lambda session: session.execute(statement).first())
+        return await self._run(lambda session: session.execute(statement).first())
 
     async def all(self, statement: Executable) -> Sequence[Any]:
-        if self._sync is None:
-            async with self._sessions() as session:
-                return (await session.execute(statement)).all()
-        return await self._in_thread(lambda session: session.execute(statement).all())
+        return await self._run(lambda session: session.execute(statement).all())
 
-    async def _in_thread(self, read: Callable[[Session], Any]) -> Any:
+    async def _run(self, read: Callable[[Session], Any]) -> Any:
+        """`read` with a session: in a reading thread (SQLite), else through an async
+        session's `run_sync` on the event loop."""
         engine = self._sync
+        if engine is None:
+            async with self._sessions() as session:
+                return await session.run_sync(read)
 
         def run() -> Any:
             with Session(engine, expire_on_commit=False, autoflush=False) as session:
