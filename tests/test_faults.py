@@ -48,6 +48,7 @@ from tests.processes import (
     until,
     wait_ready,
 )
+from tests.test_notify import listen_pids
 
 PROBLEM_JSON = "application/problem+json"
 needs_postgres = pytest.mark.skipif(
@@ -294,10 +295,13 @@ async def test_a_locked_sqlite_database_answers_503_stores_nothing_then_recovers
         body = {"model": "agent", "collection": f.nat_collection()}
         key = {"Idempotency-Key": "locked-1"}
 
-        holder = sqlite3.connect(path, isolation_level=None, timeout=0)
+        # It waits its turn for the write lock (the worker's heartbeat writes every 0.2 s),
+        # in a thread: the writer it waits for may need this event loop to finish.
+        holder = sqlite3.connect(path, isolation_level=None, timeout=10, check_same_thread=False)
         try:
             before = _row_counts(holder)
-            holder.execute("BEGIN EXCLUSIVE")  # the write lock, held until rollback
+            # The write lock, held until rollback.
+            await asyncio.to_thread(holder.execute, "BEGIN EXCLUSIVE")
             loop = asyncio.get_running_loop()
             writes: list[tuple[str, dict[str, Any]]] = [
                 ("/v1/training-jobs", {"json": body, "headers": key}),
@@ -410,18 +414,11 @@ async def ensure_postgres_up() -> None:
 
 
 async def listening_sessions(engine: AsyncEngine) -> int:
-    """Sessions whose last statement was a LISTEN: each process's notifier connection."""
+    """Each process's notifier connection; -1 while the server cannot say."""
     try:
-        async with engine.connect() as conn:
-            count = await conn.scalar(
-                text(
-                    "SELECT count(*) FROM pg_stat_activity "
-                    "WHERE datname = current_database() AND query ILIKE 'LISTEN%'"
-                )
-            )
+        return len(await listen_pids(engine))
     except Exception:
         return -1
-    return int(count or 0)
 
 
 async def postmaster_start_time(engine: AsyncEngine) -> datetime:

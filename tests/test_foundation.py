@@ -231,37 +231,6 @@ def test_api_keys_setting_parses_comma_lists(value: str) -> None:
     ]
 
 
-async def test_listen_comes_back_after_the_database_drops_it(database_url: str) -> None:
-    if not database_url.startswith("postgresql"):
-        pytest.skip("LISTEN/NOTIFY is Postgres'")
-    import asyncio
-
-    from sqlalchemy import text
-
-    from app.db import create_engine
-    from app.notify import JOBS_CHANNEL, Notifier
-
-    notifier = Notifier()
-    await notifier.listen(database_url)
-    engine = create_engine(database_url)
-    try:
-        pid = notifier._conn.get_server_pid()
-        async with engine.begin() as conn:  # what a database restart does to the connection
-            await conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
-        for _ in range(100):
-            if notifier.listening and notifier._conn.get_server_pid() != pid:
-                break
-            await asyncio.sleep(0.05)
-        assert notifier.listening
-        await notifier.wait_for_jobs(0)  # drop the wake-up the reconnect itself gives
-        async with engine.begin() as conn:
-            await conn.execute(text("SELECT pg_notify(:c, 'x')"), {"c": JOBS_CHANNEL})
-        assert await notifier.wait_for_jobs(5.0) is True
-    finally:
-        await notifier.close()
-        await engine.dispose()
-
-
 async def test_a_pooled_connection_the_server_dropped_is_replaced_before_use(
     database_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
