@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -12,9 +13,16 @@ from typing import Any
 
 import pytest
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import (
+    JSONResponse,
+    PlainTextResponse,
+    RedirectResponse,
+    Response,
+    StreamingResponse,
+)
 
-from app.rollouts.sampling import POOL_SIZE, SamplingClient, SamplingError
+from app.rollouts import sampling
+from app.rollouts.sampling import SamplingClient, SamplingError
 from tests.conftest import LiveServer
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": True}
@@ -57,6 +65,9 @@ class FakeOpenAI:
         self.retry_after: str | None = None
         self.reject = False
         self.garbage = False
+        self.padding = 0
+        self.stream = False
+        self.redirect = False
         self.release = asyncio.Event()
         app = FastAPI()
 
@@ -95,7 +106,14 @@ class FakeOpenAI:
                     )
                 if self.garbage:
                     return PlainTextResponse("<html>proxy page</html>")
-                return JSONResponse(completion(body["model"], f"answer {number}"))
+                if self.redirect:
+                    return RedirectResponse("/v1/elsewhere", status_code=302)
+                content = f"answer {number}" + " " * self.padding
+                answer = json.dumps(completion(body["model"], content)).encode()
+                if self.stream:  # chunked, no Content-Length: 64 KiB at a time
+                    pieces = [answer[i : i + 65536] for i in range(0, len(answer), 65536)]
+                    return StreamingResponse(iter(pieces), media_type="application/json")
+                return Response(answer, media_type="application/json")
             finally:
                 self.in_flight -= 1
 
@@ -143,10 +161,9 @@ async def test_at_most_concurrency_requests_in_flight_over_reused_connections(
     assert 0.25 <= elapsed < 1.0  # five waves of 50 ms
 
 
-async def test_concurrency_above_one_pool_spreads_over_pools_and_stays_bounded(
+async def test_many_in_flight_stay_bounded_each_on_a_reused_connection(
     fake: FakeOpenAI,
 ) -> None:
-    assert POOL_SIZE < 12
     fake.delay = 0.05
     async with SamplingClient(fake.base_url, None, concurrency=12) as client:
         results = await asyncio.gather(*(client.chat(BODY) for _ in range(48)))
@@ -228,6 +245,45 @@ async def test_a_success_that_is_not_json_is_not_retried(fake: FakeOpenAI) -> No
     assert fake.requests == 1
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["content-length", "chunked"])
+async def test_a_large_answer_is_read_whole(fake: FakeOpenAI, stream: bool) -> None:
+    """Megabytes arrive over many reads of the socket: every one is read."""
+    fake.padding, fake.stream = 3 * 1024 * 1024, stream
+    async with SamplingClient(fake.base_url, None, backoff=0.01) as client:
+        result = await client.chat(BODY)
+    content = result["choices"][0]["message"]["content"]
+    assert content == "answer 1" + " " * fake.padding
+    assert fake.requests == 1
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["content-length", "chunked"])
+async def test_an_answer_over_the_limit_is_refused_not_retried(
+    fake: FakeOpenAI, monkeypatch: pytest.MonkeyPatch, stream: bool
+) -> None:
+    """Refused from its Content-Length, or while it is read when it is sent chunked."""
+    monkeypatch.setattr(sampling, "MAX_ANSWER_BYTES", 100_000)
+    fake.padding, fake.stream = 200_000, stream
+    async with SamplingClient(fake.base_url, None, retries=3, backoff=0.01) as client:
+        with pytest.raises(SamplingError, match="with an answer over 100000 bytes") as info:
+            await client.chat(BODY)
+        fake.padding = 90_000  # under the limit once the rest of the JSON is added
+        assert (await client.chat(BODY))["choices"][0]["message"]["content"].startswith("answer")
+    assert info.value.transient is False
+    assert info.value.status == 200
+    assert fake.requests == 2
+
+
+async def test_a_redirect_is_not_followed(fake: FakeOpenAI) -> None:
+    fake.redirect = True
+    async with SamplingClient(fake.base_url, None, retries=3, backoff=0.01) as client:
+        with pytest.raises(SamplingError) as info:
+            await client.chat(BODY)
+    assert info.value.transient is False
+    assert info.value.status == 302
+    assert info.value.message.startswith("HTTP 302")
+    assert fake.requests == 1
+
+
 async def test_timeouts_are_retried_then_a_transient_error(fake: FakeOpenAI) -> None:
     fake.delay = 2.0
     async with SamplingClient(fake.base_url, None, timeout=0.1, retries=2, backoff=0.01) as c:
@@ -260,6 +316,22 @@ async def test_connection_refused_is_retried_then_a_transient_error() -> None:
     assert info.value.transient is True
     assert info.value.status is None
     assert "after 2 attempts: ConnectError" in info.value.message
+
+
+async def test_the_proxy_the_environment_names_is_used_unless_no_proxy_holds_the_host(
+    fake: FakeOpenAI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("http_proxy", "https_proxy", "no_proxy", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.upper(), raising=False)
+    monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{closed_port()}")  # nobody there
+    async with SamplingClient(fake.base_url, None, retries=0) as client:
+        with pytest.raises(SamplingError, match="ConnectError"):
+            await client.chat(BODY)
+    assert fake.requests == 0  # it went to the proxy, not to the endpoint
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    async with SamplingClient(fake.base_url, None, retries=0) as client:
+        assert (await client.chat(BODY))["choices"][0]["message"]["content"] == "answer 1"
 
 
 async def test_a_body_that_is_not_json_fails_before_any_request() -> None:

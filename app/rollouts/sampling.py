@@ -1,24 +1,38 @@
 """One pooled client for a model's OpenAI-compatible endpoint: bounded concurrency,
-per-request deadlines, retries with backoff on transient failures."""
+per-request deadlines, retries with backoff on transient failures.
+
+The transport is aiohttp: its HTTP parser is C, and a request costs the client about a
+fifth of the CPU httpx's does (`bench/fanout.py`: at 64 requests in flight httpx needed
+two cores to keep a 50 ms endpoint busy). The model endpoint is the operator's own (the
+gateway or a backend's server), so the egress policy of `app/egress.py`, which guards
+calls to services a job names, does not apply here.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import random
-import ssl
+import urllib.request
 from types import TracebackType
 from typing import Any
+from urllib.parse import urlsplit
 
-import httpx
+import aiohttp
+
+from app.egress import default_tls_context
 
 # Statuses worth retrying: request timeout, rate limited, and every server error.
 RETRY_STATUSES = frozenset({408, 429})
 MAX_BACKOFF_S = 30.0
 MAX_RETRY_AFTER_S = 30.0
-# Most connections in one httpx pool (see `SamplingClient.__init__`).
-POOL_SIZE = 8
+# The most bytes of one answer read: a chat.completion with logprobs for every token of a
+# long answer, and `n` of them, stays far below it.
+MAX_ANSWER_BYTES = 64 * 1024 * 1024
+# Idle connections are closed after this many seconds: under the 5 s after which uvicorn
+# (the cpu backend's server, vLLM's) closes them itself, so a request is not sent on a
+# connection the server is closing (one retry lost).
+KEEPALIVE_S = 4.0
 
 
 class SamplingError(Exception):
@@ -33,9 +47,19 @@ class SamplingError(Exception):
         self.status = status
 
 
+def _too_large(status: int) -> SamplingError:
+    """An answer over MAX_ANSWER_BYTES: refused, and not worth another try."""
+    return SamplingError(
+        f"HTTP {status} with an answer over {MAX_ANSWER_BYTES} bytes",
+        transient=False,
+        status=status,
+    )
+
+
 class SamplingClient:
     """POSTs chat completions to `{base_url}/chat/completions` (`base_url` ends in `/v1`),
-    at most `concurrency` at once, over at most `concurrency` kept-alive connections."""
+    at most `concurrency` at once, over at most `concurrency` kept-alive connections. Each
+    attempt has `timeout` seconds in all (connecting, sending, every byte of the answer)."""
 
     def __init__(
         self,
@@ -53,37 +77,47 @@ class SamplingClient:
             raise ValueError("timeout must be positive")
         if retries < 0 or backoff < 0:
             raise ValueError("retries and backoff must not be negative")
-        url = httpx.URL(base_url.rstrip("/") + "/chat/completions")
-        if url.scheme not in ("http", "https") or not url.host:
+        url = base_url.rstrip("/") + "/chat/completions"
+        try:
+            parts = urlsplit(url)
+            parts.port  # noqa: B018 - raises ValueError for a port that is not one
+        except ValueError:
+            raise ValueError(f"base_url must be an http(s) URL, got {base_url!r}") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"base_url must be an http(s) URL, got {base_url!r}")
         self.url = url
         self.concurrency = concurrency
         self.timeout = timeout
         self.retries = retries
         self.backoff = backoff
-        headers = {"accept": "application/json", "content-type": "application/json"}
+        self._headers = {"accept": "application/json", "content-type": "application/json"}
         if api_key:
-            headers["authorization"] = f"Bearer {api_key}"
-        # Connections are split over pools of at most POOL_SIZE: httpcore 1.0.x rescans its
-        # whole pool, per idle connection, on every request and every response
-        # (encode/httpcore#1035), so one pool of 64 connections spent 85% of the client's
-        # CPU there (fan-out 11.8x the ideal in bench/fanout.py). A request borrows a free
-        # slot, and with it that slot's pool, so no pool ever has to queue a request. Pools
-        # of 8 did better on the benchmark than pools of 1, 2 or 4.
-        sizes = [min(POOL_SIZE, concurrency - start) for start in range(0, concurrency, POOL_SIZE)]
-        self._clients = [
-            httpx.AsyncClient(
-                headers=headers,
-                timeout=httpx.Timeout(timeout),
-                verify=_tls_context(),
-                limits=httpx.Limits(max_connections=size, max_keepalive_connections=size),
-            )
-            for size in sizes
-        ]
-        self._free = [
-            client for client, size in zip(self._clients, sizes, strict=True) for _ in range(size)
-        ]
+            self._headers["authorization"] = f"Bearer {api_key}"
+        self._session: aiohttp.ClientSession | None = None
         self._slots = asyncio.Semaphore(concurrency)
+
+    def _client(self) -> aiohttp.ClientSession:
+        """The session, made on first use (aiohttp makes it on a running loop)."""
+        if self._session is None:
+            connector = aiohttp.TCPConnector(
+                limit=self.concurrency,
+                limit_per_host=self.concurrency,
+                keepalive_timeout=KEEPALIVE_S,
+                ssl=default_tls_context(),
+            )
+            self._session = aiohttp.ClientSession(
+                connector=connector,
+                headers=self._headers,
+                # `chat` bounds each attempt with asyncio.timeout; aiohttp's own timers
+                # would only cost CPU on every request.
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=None),
+                skip_auto_headers=("User-Agent",),
+                raise_for_status=False,
+                # HTTP(S)_PROXY and NO_PROXY, as httpx honoured them, read once here:
+                # aiohttp's trust_env reads them again for every request (0.4 ms each).
+                proxy=_proxy_for(self.url),
+            )
+        return self._session
 
     async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
         """The endpoint's chat.completion for `body`, or `SamplingError`."""
@@ -91,33 +125,30 @@ class SamplingClient:
             content = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
         except (TypeError, ValueError) as exc:
             raise SamplingError(f"the request is not valid JSON: {exc}", transient=False) from None
+        client = self._client()
         attempts = self.retries + 1
         last_error, last_status = "", None
         for attempt in range(attempts):
             retry_after: float | None = None
             async with self._slots:
-                client = self._free.pop()
                 try:
                     async with asyncio.timeout(self.timeout):
-                        response = await client.post(self.url, content=content)
-                except httpx.UnsupportedProtocol as exc:
-                    raise SamplingError(str(exc), transient=False) from None
-                except (TimeoutError, httpx.TimeoutException):
+                        status, answer, reason, retry_header = await self._post(client, content)
+                except (TimeoutError, aiohttp.ServerTimeoutError):
                     last_error, last_status = f"timed out after {self.timeout:g} s", None
-                except httpx.TransportError as exc:
+                except aiohttp.ClientConnectorError as exc:
+                    last_error, last_status = f"ConnectError: {_os_reason(exc)}", None
+                except aiohttp.ClientError as exc:
                     detail = str(exc) or "no detail"
                     last_error, last_status = f"{type(exc).__name__}: {detail}", None
                 else:
-                    status = response.status_code
                     if 200 <= status < 300:
-                        return _completion(response)
-                    message = f"HTTP {status}: {_error_message(response)}"
+                        return _completion(status, answer)
+                    message = f"HTTP {status}: {_error_message(answer, reason)}"
                     if status not in RETRY_STATUSES and status < 500:
                         raise SamplingError(message, transient=False, status=status)
                     last_error, last_status = message, status
-                    retry_after = _retry_after(response)
-                finally:
-                    self._free.append(client)
+                    retry_after = _retry_after(retry_header)
             if attempt + 1 < attempts:
                 await asyncio.sleep(self._delay(attempt, retry_after))
         raise SamplingError(
@@ -125,6 +156,29 @@ class SamplingClient:
             transient=True,
             status=last_status,
         )
+
+    async def _post(
+        self, client: aiohttp.ClientSession, content: bytes
+    ) -> tuple[int, bytes, str, str | None]:
+        """One attempt: status, body (at most MAX_ANSWER_BYTES), reason, Retry-After."""
+        # Redirects are not followed (an answer elsewhere is not this endpoint's): a 3xx
+        # is an error like any other 4xx.
+        async with client.post(self.url, data=content, allow_redirects=False) as response:
+            if (response.content_length or 0) > MAX_ANSWER_BYTES:
+                raise _too_large(response.status)
+            parts: list[bytes] = []
+            size = 0
+            async for chunk in response.content.iter_any():  # every chunk, to the end
+                size += len(chunk)
+                if size > MAX_ANSWER_BYTES:
+                    raise _too_large(response.status)
+                parts.append(chunk)
+            return (
+                response.status,
+                b"".join(parts),
+                response.reason or "",
+                response.headers.get("retry-after"),
+            )
 
     def _delay(self, attempt: int, retry_after: float | None) -> float:
         """Exponential backoff from `backoff` with jitter in [d/2, d]; at least what the
@@ -136,8 +190,8 @@ class SamplingClient:
         return delay
 
     async def aclose(self) -> None:
-        for client in self._clients:
-            await client.aclose()
+        if self._session is not None:
+            await self._session.close()
 
     async def __aenter__(self) -> SamplingClient:
         return self
@@ -151,35 +205,41 @@ class SamplingClient:
         await self.aclose()
 
 
-@functools.cache
-def _tls_context() -> ssl.SSLContext:
-    """httpx's default verifying context, built once per process and shared: building one
-    loads the CA bundle (~25 ms), which every new pool would otherwise do again."""
-    return httpx.create_ssl_context()
+def _proxy_for(url: str) -> str | None:
+    """The proxy the environment names for `url` (HTTP_PROXY / HTTPS_PROXY, unless
+    NO_PROXY holds its host), or None."""
+    parts = urlsplit(url)
+    if urllib.request.proxy_bypass(parts.hostname or ""):
+        return None
+    return urllib.request.getproxies().get(parts.scheme)
 
 
-def _completion(response: httpx.Response) -> dict[str, Any]:
+def _os_reason(exc: aiohttp.ClientConnectorError) -> str:
+    return exc.os_error.strerror or type(exc.os_error).__name__
+
+
+def _json(answer: bytes) -> Any:
     try:
-        parsed = response.json()
+        return json.loads(answer)
     except (ValueError, RecursionError):
-        parsed = None
+        return None
+
+
+def _completion(status: int, answer: bytes) -> dict[str, Any]:
+    parsed = _json(answer)
     if not isinstance(parsed, dict):
         raise SamplingError(
-            f"HTTP {response.status_code} with a body that is not a JSON object: "
-            f"{_snippet(response.text)}",
+            f"HTTP {status} with a body that is not a JSON object: {_snippet(answer)}",
             transient=False,
-            status=response.status_code,
+            status=status,
         )
     return parsed
 
 
-def _error_message(response: httpx.Response) -> str:
+def _error_message(answer: bytes, reason: str) -> str:
     """The server's own message: OpenAI's `{"error": {"message"}}`, a few other common
     envelopes, or the body's text."""
-    try:
-        parsed = response.json()
-    except (ValueError, RecursionError):
-        parsed = None
+    parsed = _json(answer)
     if isinstance(parsed, dict):
         error = parsed.get("error")
         if isinstance(error, dict) and isinstance(error.get("message"), str):
@@ -187,17 +247,17 @@ def _error_message(response: httpx.Response) -> str:
         for value in (error, parsed.get("detail"), parsed.get("message")):
             if isinstance(value, str) and value:
                 return value
-    return _snippet(response.text) or response.reason_phrase or "no detail"
+    return _snippet(answer) or reason or "no detail"
 
 
-def _retry_after(response: httpx.Response) -> float | None:
+def _retry_after(value: str | None) -> float | None:
     try:
-        seconds = float(response.headers.get("retry-after", ""))
+        seconds = float(value or "")
     except ValueError:
         return None
     return seconds if seconds >= 0 else None
 
 
-def _snippet(text: str, limit: int = 500) -> str:
-    text = text.strip()
+def _snippet(answer: bytes, limit: int = 500) -> str:
+    text = answer[: limit * 4].decode("utf-8", "replace").strip()
     return text if len(text) <= limit else text[:limit] + "..."
