@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import JSON, DateTime, Engine, Executable, MetaData, event
+from sqlalchemy import JSON, Connection, DateTime, Engine, Executable, MetaData, event
 from sqlalchemy import create_engine as create_sync_engine
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import URL, Dialect, make_url
@@ -193,26 +193,28 @@ are enough for any number of requests to share."""
 
 
 class Reader:
-    """Reads that an API request makes alone (one job, say), each in one trip off the event
-    loop, returning detached ORM rows.
+    """Reads that an API request makes alone (one job, say), each in one trip, returning
+    detached rows.
 
     SQLite: aiosqlite sends every cursor call to its connection's thread and waits for the
     answer: BEGIN, execute, fetch, close and the rollback are each a trip, and the GET of
-    one job made 18 of them (`bench/reads.py`). Here the whole read runs on a synchronous
-    connection, read-only (`PRAGMA query_only`), in a small thread pool: one trip, and the
-    event loop never waits on the file.
-    Postgres: asyncpg speaks to the server from the event loop; reads use a session.
-    An in-memory SQLite database is one per connection, so its reads use a session too."""
+    one job made 18 of them (`bench/reads.py`). Here a read runs on a synchronous
+    connection, read-only (`PRAGMA query_only`), without BEGIN (a statement is its own
+    snapshot), in one of two places:
+    - `row` (one row by its key: a GET) runs on the event loop. It takes ~50 µs, where the
+      hop to a thread and back cost ~350 µs in a request here (two thread wake-ups). It
+      never waits: its connection has no busy timeout, so a lock that would hold it (WAL
+      readers wait for none of the writer's, only for a recovery or an exclusive-mode
+      writer) fails it at once, and it is read again in a reading thread that may wait.
+    - every other read (pages, ORM rows) runs in a small pool of reading threads.
+    Postgres: asyncpg speaks to the server from the event loop; reads use a connection or
+    a session. An in-memory SQLite database is one per connection, so its reads do too."""
 
-    def __init__(
-        self,
-        engine: AsyncEngine,
-        sessions: async_sessionmaker[AsyncSession],
-        *,
-        sqlite_busy_timeout: float = 5.0,
-    ) -> None:
-        self._sessions = sessions
+    def __init__(self, engine: AsyncEngine, *, sqlite_busy_timeout: float = 5.0) -> None:
+        self._engine = engine
         self._sync: Engine | None = None
+        self._on_loop: Connection | None = None
+        self._closed = False
         self._threads: ThreadPoolExecutor | None = None
         url = engine.url
         if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
@@ -235,21 +237,86 @@ class Reader:
     async def all(self, statement: Executable) -> Sequence[Any]:
         return await self._run(lambda session: session.execute(statement).all())
 
-    async def _run(self, read: Callable[[Session], Any]) -> Any:
-        """`read` with a session: in a reading thread (SQLite), else through an async
-        session's `run_sync` on the event loop."""
+    async def row(self, statement: Executable, params: dict[str, Any] | None = None) -> Any:
+        """The first row of a Core statement (table columns, no ORM entity), or None. For
+        a lookup of one row by its key: on SQLite it runs on the event loop (see above)."""
+
+        def read(connection: Connection) -> Any:
+            return connection.execute(statement, params).first()
+
+        if self._sync is not None:
+            connection = self._on_loop
+            if connection is None or connection.invalidated or connection.closed:
+                connection = await self._open_loop_connection()
+            try:
+                return read(connection)
+            except OperationalError as exc:
+                if not is_locked(exc):
+                    raise
+        return await self._run_core(read)
+
+    async def _open_loop_connection(self) -> Connection:
+        """The connection `row` uses on the event loop, opened in a reading thread (opening
+        one runs the connection's pragmas, which may wait for a lock): busy timeout 0."""
+        engine = self._sync
+        if self._closed or engine is None:
+            raise RuntimeError("the reader is closed")
+
+        def open_() -> Connection:
+            connection = engine.connect()
+            try:
+                connection.exec_driver_sql("PRAGMA busy_timeout=0")
+            except BaseException:
+                connection.close()
+                raise
+            return connection
+
+        connection: Connection = await asyncio.get_running_loop().run_in_executor(
+            self._threads, open_
+        )
+        if self._on_loop is not None:  # another request opened one meanwhile
+            connection.close()
+            return self._on_loop
+        self._on_loop = connection
+        return connection
+
+    async def rows(self, statement: Executable) -> Sequence[Any]:
+        """Every row of a Core statement."""
+        return await self._run_core(lambda connection: connection.execute(statement).all())
+
+    async def _run_core(self, read: Callable[[Connection], Any]) -> Any:
+        """`read` with a connection: in a reading thread (SQLite), else through an async
+        connection's `run_sync` on the event loop."""
         engine = self._sync
         if engine is None:
-            async with self._sessions() as session:
-                return await session.run_sync(read)
+            async with self._engine.connect() as connection:
+                return await connection.run_sync(read)
 
         def run() -> Any:
-            with Session(engine, expire_on_commit=False, autoflush=False) as session:
-                return read(session)
+            with engine.connect() as connection:
+                return read(connection)
 
         return await asyncio.get_running_loop().run_in_executor(self._threads, run)
 
-    def close(self) -> None:
+    async def _run(self, read: Callable[[Session], Any]) -> Any:
+        """`read` with a session on a connection of `_run_core`."""
+
+        def with_session(connection: Connection) -> Any:
+            with Session(connection, expire_on_commit=False, autoflush=False) as session:
+                return read(session)
+
+        return await self._run_core(with_session)
+
+    async def aclose(self) -> None:
+        """Close the loop's connection here, on the loop (no read can be using it); then,
+        in a thread, wait for the reads in flight and close the rest."""
+        self._closed = True
+        if self._on_loop is not None:
+            self._on_loop.close()
+            self._on_loop = None
+        await asyncio.to_thread(self._close_threads)
+
+    def _close_threads(self) -> None:
         if self._threads is not None:
             self._threads.shutdown(wait=True)
         if self._sync is not None:
@@ -307,6 +374,11 @@ async def transaction(sessions: async_sessionmaker[AsyncSession]) -> AsyncIterat
 # wrong": 08 connection exception, 53 insufficient resources (too many connections), 57P
 # operator intervention (shutting down, starting up: "the database system is starting up").
 _UNAVAILABLE_SQLSTATES = ("08", "53", "57P")
+
+
+def is_locked(exc: DBAPIError) -> bool:
+    """SQLite's answer when a lock was not granted within the busy timeout."""
+    return "database is locked" in str(exc.orig) or "database is busy" in str(exc.orig)
 
 
 def is_unavailable(exc: BaseException) -> bool:

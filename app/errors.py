@@ -18,7 +18,7 @@ from sqlalchemy.exc import (
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.status import HTTP_422_UNPROCESSABLE_CONTENT
 
-from app.db import is_unavailable
+from app.db import is_locked, is_unavailable
 from app.schemas.common import FieldError, Problem
 
 log = logging.getLogger(__name__)
@@ -138,10 +138,6 @@ def problem_response(
     )
 
 
-def _is_sqlite_busy(exc: DBAPIError) -> bool:
-    return "database is locked" in str(exc.orig) or "database is busy" in str(exc.orig)
-
-
 def install(app: FastAPI) -> None:
     @app.exception_handler(ProblemError)
     async def _problem(request: Request, exc: ProblemError) -> JSONResponse:
@@ -199,9 +195,7 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(DBAPIError)
     async def _database(request: Request, exc: DBAPIError) -> JSONResponse:
         if is_unavailable(exc):
-            detail = (
-                "The database is busy" if _is_sqlite_busy(exc) else "The database is unavailable"
-            )
+            detail = "The database is busy" if is_locked(exc) else "The database is unavailable"
             log.warning("database error on %s: %s", request.url.path, exc.orig)
             return problem_response(
                 503,

@@ -69,7 +69,7 @@ class Process:
         backends = Backends(settings, backend_overrides)
         gateway = Gateway(backends, serves_here=worker)
         sessions = create_sessionmaker(engine)
-        reader = Reader(engine, sessions, sqlite_busy_timeout=settings.sqlite_busy_timeout_seconds)
+        reader = Reader(engine, sqlite_busy_timeout=settings.sqlite_busy_timeout_seconds)
         process = cls(settings, engine, sessions, reader, store, notifier, backends, gateway, None)
         if settings.migrate_on_start:
             await migrate(engine)
@@ -101,5 +101,5 @@ class Process:
         await self.notifier.close()
         await self.gateway.close()
         await self.backends.close()
-        await asyncio.to_thread(self.reader.close)
+        await self.reader.aclose()
         await self.engine.dispose()

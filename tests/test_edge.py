@@ -276,6 +276,26 @@ async def test_everything_but_health_metrics_and_docs_needs_the_key(serve, path)
     assert "location" not in headers
 
 
+async def test_every_operation_the_document_protects_needs_the_key(serve) -> None:
+    """The key is checked by the edge alone: every operation the OpenAPI document marks
+    with the bearer scheme answers 401 without it, and only health's are left unmarked."""
+    async with serve(api_keys=KEY) as live:
+        document = (await live.client.get("/openapi.json")).json()
+        assert document["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
+        unmarked, answered = [], {}
+        for template, operations in document["paths"].items():
+            path = re.sub(r"\{[^}]+\}", "x", template)
+            for method, operation in operations.items():
+                if operation.get("security") != [{"HTTPBearer": []}]:
+                    unmarked.append(template)
+                    continue
+                response = await live.client.request(method.upper(), path, content=b"{}")
+                answered[f"{method.upper()} {template}"] = response.status_code
+    assert sorted(unmarked) == ["/healthz", "/metrics", "/readyz"]
+    assert len(answered) > 40
+    assert set(answered.values()) == {401}, answered
+
+
 @pytest.mark.parametrize("path", OPEN)
 async def test_health_metrics_and_docs_stay_open(serve, path) -> None:
     async with serve(api_keys=KEY) as live:

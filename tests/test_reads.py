@@ -1,11 +1,14 @@
 """`app.db.Reader`: the reads a request makes alone (one job, a page of jobs, a run).
 
-On SQLite each read is one trip to a small pool of threads holding read-only connections:
-it must see every commit made before it, return rows usable after the read, never write,
-and never run on the event loop. On Postgres the same calls go through a session."""
+On SQLite a read runs on a read-only connection, a lookup of one row on the event loop
+(never waiting for a lock: one meets a lock, a reading thread reads it again) and every
+other read in a small pool of reading threads: it must see every commit made before it,
+return rows usable after the read, and never write. On Postgres the same calls go through
+a connection or a session."""
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 from collections.abc import AsyncIterator
 from typing import Any
@@ -29,11 +32,11 @@ from tests import factories as f
 @pytest.fixture
 async def engine_and_reader(database_url: str) -> AsyncIterator[tuple[Any, Reader]]:
     engine = create_engine(database_url)
-    reader = Reader(engine, create_sessionmaker(engine))
+    reader = Reader(engine)
     try:
         yield engine, reader
     finally:
-        reader.close()
+        await reader.aclose()
         await engine.dispose()
 
 
@@ -122,24 +125,101 @@ async def test_pages_are_newest_first_and_filter_as_asked(engine_and_reader: Any
     assert [j.id for j in team_a] == [ids[3], ids[1]]
 
 
-@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
-async def test_on_sqlite_a_read_is_one_statement_in_a_reading_thread(
-    engine_and_reader: Any,
-) -> None:
+async def test_a_read_job_shows_what_its_orm_row_holds(engine_and_reader: Any) -> None:
+    """`read_job` reads columns with a plain statement: the values (JSON decoded, times
+    aware of their zone) are those the ORM loads."""
     engine, reader = engine_and_reader
-    job_id = await _job(engine)
+    job_id = await _job(engine, team="a")
+    async with create_sessionmaker(engine)() as session:
+        row = await session.get(JobRow, job_id)
+        assert row is not None
+        expected = jobs.JobView.of(row)
+    view = await jobs.read_job(reader, job_id, kind=JobKind.training)
+    assert view == expected
+    assert view.meta == {"team": "a"} and view.summary == {"num_groups": 1}
+    assert view.created_at.tzinfo is not None
+    page, _ = await jobs.list_jobs(
+        reader, kind=JobKind.training, status=None, model=None, after=None, limit=5
+    )
+    assert page == [expected]
+
+
+def _record_statements(reader: Reader) -> list[tuple[str, str]]:
+    """(thread name, first word) of every statement the reader's connections run."""
     seen: list[tuple[str, str]] = []
 
     def record(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
         seen.append((threading.current_thread().name, statement.split()[0].upper()))
 
     event.listen(reader._sync, "before_cursor_execute", record)  # type: ignore[arg-type]
+    return seen
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+async def test_on_sqlite_a_lookup_is_one_statement_on_the_loop_that_never_waits(
+    engine_and_reader: Any,
+) -> None:
+    engine, reader = engine_and_reader
+    job_id = await _job(engine)
+    await jobs.read_job(reader, job_id, kind=JobKind.training)  # opens the loop's connection
+    seen = _record_statements(reader)
     await jobs.read_job(reader, job_id, kind=JobKind.training)
-    # One statement (no BEGIN, no second query), run by a reading thread, off the loop.
+    # One statement (no BEGIN, no second query), on the loop's own thread.
+    assert seen == [(threading.current_thread().name, "SELECT")]
+    # A lock fails it at once (no busy timeout) instead of holding the loop.
+    on_loop = reader._on_loop
+    assert on_loop is not None
+    assert on_loop.exec_driver_sql("PRAGMA busy_timeout").scalar() == 0
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+async def test_on_sqlite_a_page_is_one_statement_in_a_reading_thread(
+    engine_and_reader: Any,
+) -> None:
+    engine, reader = engine_and_reader
+    await _job(engine)
+    seen = _record_statements(reader)
+    page, _ = await jobs.list_jobs(
+        reader, kind=JobKind.training, status=None, model=None, after=None, limit=5
+    )
+    assert len(page) == 1
     assert len(seen) == 1, seen
     thread, verb = seen[0]
     assert verb == "SELECT"
     assert thread.startswith("trainyard-read") and thread != threading.main_thread().name
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+async def test_on_sqlite_a_lookup_that_meets_a_lock_is_read_again_in_a_reading_thread(
+    engine_and_reader: Any,
+) -> None:
+    """WAL readers wait for no writer; SQLite can still answer "database is locked" (a
+    recovery, an exclusive-mode writer). On the loop that fails the read at once, and a
+    reading thread, which may wait, reads it again."""
+    engine, reader = engine_and_reader
+    job_id = await _job(engine)
+    await jobs.read_job(reader, job_id, kind=JobKind.training)  # opens the loop's connection
+    seen = _record_statements(reader)
+    loop_thread = threading.current_thread().name
+
+    def locked_on_the_loop(_conn: Any, _cursor: Any, *_: Any) -> None:
+        if threading.current_thread().name == loop_thread:
+            raise sqlite3.OperationalError("database is locked")
+
+    event.listen(reader._sync, "before_cursor_execute", locked_on_the_loop)
+    job = await jobs.read_job(reader, job_id, kind=JobKind.training)
+    assert job.id == job_id
+    assert [verb for _, verb in seen] == ["SELECT", "SELECT"]
+    assert seen[0][0] == loop_thread and seen[1][0].startswith("trainyard-read")
+    event.remove(reader._sync, "before_cursor_execute", locked_on_the_loop)
+    threads = reader._sync.connect()  # type: ignore[union-attr]
+    try:  # the threads' connections keep the busy timeout
+        assert threads.exec_driver_sql("PRAGMA busy_timeout").scalar() == 5000
+    finally:
+        threads.close()
+    seen.clear()
+    await jobs.read_job(reader, job_id, kind=JobKind.training)  # on the loop again
+    assert seen == [(loop_thread, "SELECT")]
 
 
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)

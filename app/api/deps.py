@@ -1,4 +1,5 @@
-"""Request dependencies: a database session and the API-key check."""
+"""Request dependencies: a database session, the reader, and the parameters looked up in the
+database. (The API key is checked before any route runs: `app.edge.ApiKeys`.)"""
 
 from __future__ import annotations
 
@@ -8,18 +9,14 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Annotated
 
-from fastapi import Depends, Header, HTTPException, Path, Query, Request, Security
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi import Depends, Header, Path, Query, Request
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.db import Reader
-from app.edge import UNAUTHORIZED_DETAIL, key_matches
 from app.schemas.common import NO_NUL
 
 log = logging.getLogger(__name__)
-
-bearer = HTTPBearer(auto_error=False, description="A key from TRAINYARD_API_KEYS.")
 
 
 async def get_session(request: Request) -> AsyncIterator[AsyncSession]:
@@ -37,19 +34,6 @@ async def get_session(request: Request) -> AsyncIterator[AsyncSession]:
             log.warning("request session closed on a lost connection: %s", exc)
             with contextlib.suppress(Exception):
                 await session.invalidate()
-
-
-async def require_api_key(
-    request: Request,
-    credentials: Annotated[HTTPAuthorizationCredentials | None, Security(bearer)],
-) -> None:
-    """Documents the bearer scheme on every protected operation, and checks the key again.
-    The check that counts runs earlier, in `app.edge.ApiKeys`, before the body is read."""
-    keys = request.app.state.settings.api_keys
-    if keys and not key_matches(keys, credentials.credentials if credentials else None):
-        raise HTTPException(
-            status_code=401, detail=UNAUTHORIZED_DETAIL, headers={"WWW-Authenticate": "Bearer"}
-        )
 
 
 Session = Annotated[AsyncSession, Depends(get_session)]

@@ -52,7 +52,7 @@ async def create(
     else:
         request.app.state.notifier.jobs_changed()
     response.headers["Location"] = f"/v1/rollout-jobs/{job.id}"
-    return service.to_wire(job)
+    return service.to_wire(jobs_service.JobView.of(job))
 
 
 @router.get(
@@ -103,7 +103,7 @@ async def cancel(job_id: JobId, request: Request, session: Session) -> RolloutJo
     job = await jobs_service.cancel_job(session, job_id, kind=ROLLOUT)
     await session.commit()
     request.app.state.notifier.events_appended(job.id)
-    return service.to_wire(job)
+    return service.to_wire(jobs_service.JobView.of(job))
 
 
 @router.get(

@@ -4,6 +4,8 @@ fields every kind of job shows."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, fields
+from datetime import datetime
 from typing import Any, TypeVar
 
 from sqlalchemy import bindparam, select
@@ -33,16 +35,58 @@ async def get_job(
     return job
 
 
-_READ_JOB = select(JobRow).where(JobRow.id == bindparam("id"), JobRow.kind == bindparam("kind"))
+@dataclass(frozen=True, slots=True)
+class JobView:
+    """A job as the API shows it: the columns the wire models read, nothing else. GETs and
+    lists read it with a plain SQL statement (`read_job`, `list_jobs`: no ORM object is
+    built, a third of the cost of the read); a route holding a `JobRow` takes its view
+    with `JobView.of`."""
+
+    id: str
+    kind: str
+    model_name: str
+    status: str
+    meta: dict[str, Any]
+    summary: dict[str, Any]
+    hyperparameters: dict[str, Any]
+    progress_step: int
+    progress_total: int | None
+    error: dict[str, Any] | None
+    metrics: dict[str, Any] | None
+    attempts: int
+    max_attempts: int
+    cancel_requested: bool
+    policy_step: int | None
+    max_steps_off_policy: int | None
+    start_step: int | None
+    final_step: int | None
+    checkpoint_path: str | None
+    recovered: bool
+    trained: bool | None
+    next_job_id: str | None
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+
+    @classmethod
+    def of(cls, job: JobRow) -> JobView:
+        return cls(*(getattr(job, name) for name in _VIEW_FIELDS))
+
+
+_VIEW_FIELDS = tuple(f.name for f in fields(JobView))
+_COLUMNS = JobRow.__mapper__.columns  # by attribute name: table columns, not ORM attributes
+_VIEW = select(*(_COLUMNS[name] for name in _VIEW_FIELDS))
+_READ_JOB = _VIEW.where(_COLUMNS["id"] == bindparam("id"), _COLUMNS["kind"] == bindparam("kind"))
 """Built once: building a statement costs more than SQLite takes to run it."""
 
 
-async def read_job(reader: Reader, job_id: str, *, kind: JobKind) -> JobRow:
-    """A job as a request reads it alone (`Reader`: one trip off the event loop)."""
-    job = await reader.scalar(_READ_JOB, {"id": job_id, "kind": kind.value})
-    if job is None:
+async def read_job(reader: Reader, job_id: str, *, kind: JobKind) -> JobView:
+    """A job as a request reads it alone (`Reader.row`: one statement; on SQLite, on the
+    event loop, never waiting for a lock)."""
+    row = await reader.row(_READ_JOB, {"id": job_id, "kind": kind.value})
+    if row is None:
         raise NotFoundError(f"no {kind.value} job {job_id!r}")
-    return job  # type: ignore[no-any-return]
+    return JobView(*row)
 
 
 async def list_jobs(
@@ -54,22 +98,22 @@ async def list_jobs(
     after: str | None,
     limit: int,
     metadata: dict[str, str] | None = None,
-) -> tuple[list[JobRow], bool]:
+) -> tuple[list[JobView], bool]:
     """Newest first. `metadata`: only jobs whose metadata has each key with that value
     (a string; a number matches its JSON text, on both dialects)."""
     query = (
-        select(JobRow).where(JobRow.kind == kind.value).order_by(JobRow.id.desc()).limit(limit + 1)
+        _VIEW.where(_COLUMNS["kind"] == kind.value).order_by(_COLUMNS["id"].desc()).limit(limit + 1)
     )
     for key, value in (metadata or {}).items():
-        query = query.where(JobRow.meta[key].as_string() == value)
+        query = query.where(_COLUMNS["meta"][key].as_string() == value)
     if status is not None:
-        query = query.where(JobRow.status == status.value)
+        query = query.where(_COLUMNS["status"] == status.value)
     if model is not None:
-        query = query.where(JobRow.model_name == model)
+        query = query.where(_COLUMNS["model_name"] == model)
     if after:
-        query = query.where(JobRow.id < after)
-    rows = await reader.scalars(query)
-    return list(rows[:limit]), len(rows) > limit
+        query = query.where(_COLUMNS["id"] < after)
+    rows = await reader.rows(query)
+    return [JobView(*row) for row in rows[:limit]], len(rows) > limit
 
 
 async def replay(session: AsyncSession, key: str, request_hash: str) -> JobRow | None:
@@ -160,7 +204,7 @@ def metadata_filters(params: Iterable[tuple[str, str]]) -> dict[str, str]:
     return filters
 
 
-def progress_of(job: JobRow) -> JobProgress:
+def progress_of(job: JobView) -> JobProgress:
     total = job.progress_total
     percent = None
     if total:
@@ -170,7 +214,7 @@ def progress_of(job: JobRow) -> JobProgress:
     return JobProgress(step=job.progress_step, total=total, percent=percent)
 
 
-def job_fields(job: JobRow) -> dict[str, Any]:
+def job_fields(job: JobView) -> dict[str, Any]:
     """What every kind of job shows the same way."""
     return {
         "id": job.id,
@@ -188,7 +232,7 @@ def job_fields(job: JobRow) -> dict[str, Any]:
     }
 
 
-def page_of(jobs: list[JobRow], has_more: bool, wire: Callable[[JobRow], T]) -> Page[T]:
+def page_of(jobs: list[JobView], has_more: bool, wire: Callable[[JobView], T]) -> Page[T]:
     return Page(
         data=[wire(j) for j in jobs],
         has_more=has_more,

@@ -16,7 +16,7 @@ from app.egress import EgressPolicy
 from app.errors import ConflictError, InvalidInputError, field_errors, format_path
 from app.jobs.lifecycle import JobKind, NewJob
 from app.jobs.payloads import decompress
-from app.jobs.service import enqueue_once, job_fields, replay
+from app.jobs.service import JobView, enqueue_once, job_fields, replay
 from app.jobs.store import new_job
 from app.models import JobRow, ModelRow
 from app.rollouts import spec
@@ -218,7 +218,7 @@ def to_collection(job: JobRow) -> TrajectoryCollection:
     return groups_to_collection(load_output(job), run_id=job.id)
 
 
-def to_wire(job: JobRow) -> RolloutJob:
+def to_wire(job: JobView) -> RolloutJob:
     return RolloutJob(
         **job_fields(job),
         summary=RolloutSummary.model_validate({**job.summary, **(job.metrics or {})}),
