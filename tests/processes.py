@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from datetime import datetime
 from pathlib import Path
 from typing import IO, Any, TypeVar
@@ -159,3 +159,11 @@ async def event_rows(sessions: async_sessionmaker[AsyncSession]) -> list[Any]:
                 )
             ).all()
         )
+
+
+async def pieces(raw: bytes, size: int = 1 << 20) -> AsyncIterator[bytes]:
+    """The body a megabyte at a time, as a client streams a file. Handed to the socket
+    whole, asyncio copies what the socket does not take at once into its buffer: 50 MB
+    held this process's event loop (and so the probe) for over 80 ms."""
+    for start in range(0, len(raw), size):
+        yield raw[start : start + size]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import re
 import time
@@ -19,7 +20,7 @@ import pytest
 
 from app.settings import Settings
 from tests.hostile import RawServer, Seen, answer, gzip_bomb, head
-from tests.processes import free_port, start_api, stop, wait_ready
+from tests.processes import free_port, pieces, start_api, stop, wait_ready
 
 pytestmark = [pytest.mark.slow, pytest.mark.any_database, pytest.mark.torch]
 
@@ -248,7 +249,10 @@ async def encodings_and_depth(client: httpx.AsyncClient, url: str, port: int) ->
     assert "enc" not in names and "deep" not in names
 
 
-async def large_legal_body(client: httpx.AsyncClient, url: str, port: int) -> None:
+@functools.cache
+def large_legal_text() -> bytes:
+    """The large legal body, built before the probe starts: built while it runs, the test
+    process's own work (a 24 MB `json.dumps`) counted against a /healthz answer in flight."""
     step = {
         "role": "assistant",
         "content": "ok",
@@ -265,9 +269,16 @@ async def large_legal_body(client: httpx.AsyncClient, url: str, port: int) -> No
     }
     groups = [[trajectory, {**trajectory, "reward": 0.0}]] * 40_000
     body = json.dumps({"model": "toy", "collection": {"trajectories": groups, "run_id": "big"}})
+    return body.encode()
+
+
+async def large_legal_body(client: httpx.AsyncClient, url: str, port: int) -> None:
+    body = large_legal_text()
     assert len(body) > 20 * MiB
     response = await client.post(
-        "/v1/training-jobs", content=body, headers={"content-type": "application/json"}
+        "/v1/training-jobs",
+        content=pieces(body),  # streamed, as a client sends a file
+        headers={"content-type": "application/json", "content-length": str(len(body))},
     )
     assert response.status_code in (202, 413, 422), response.text[:300]
 
@@ -289,6 +300,7 @@ async def test_the_service_rides_out_every_attack(server, figure) -> None:
     url, pid, log = server
     port = int(url.rsplit(":", 1)[1])
     idle = _rss(pid)
+    large_legal_text()  # built before probing: this process's work is not the server's
     probe = Probe(url, pid)
     done = asyncio.Event()
     prober = asyncio.create_task(probe.run(done))
