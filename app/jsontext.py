@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from itertools import islice
 from json import JSONDecodeError
 from json.scanner import make_scanner
@@ -72,7 +72,8 @@ _WS_CHARS = " \t\n\r"
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _DIGITS = bytes.maketrans(b"123456789E", b"000000000e")
 _WINDOW = 1 << 20
-_OVERLAP = 320
+_DIGIT_RUN = 200
+_OVERLAP = 320  # over _DIGIT_RUN and the longest other mark
 _UTF16_OR_32 = re.compile(rb"\A(?:\xff\xfe|\xfe\xff|\x00\x00|\x00.\x00|.\x00)", re.S)
 
 
@@ -85,13 +86,34 @@ class JsonValueErrors(ValueError):
         self.document = document  # the parsed text: the caller frees it (see `loads`)
 
 
-def loads(data: bytes, *, max_depth: int, max_errors: int = 100) -> Any:
+class Unstreamable(ValueError):
+    """A text `loads` cannot hand out a piece at a time: it may hold a value the checks
+    refuse (found on the whole document), or it gives a key twice on the way to a
+    streamed array (the last counts); or an item its taker would not take. Parse it
+    whole."""
+
+
+Streams = Mapping[Loc, Callable[[Any], None]]
+"""Arrays handed out an item at a time: the path of an array (object keys from the top,
+`("collection", "trajectories")`), and what takes each of its items as it is parsed."""
+
+
+def loads(
+    data: bytes, *, max_depth: int, max_errors: int = 100, streams: Streams | None = None
+) -> Any:
     """Parse a JSON text (UTF-8 bytes) as `json.loads` does, checked as the module says.
     Raises `JsonTextError` for text that is not UTF-8 or not JSON (with `pos`, a character
     offset, for a syntax error) or a value nested too deep (with `path`), and
-    `JsonValueErrors` for values the checks refuse (at most `max_errors`)."""
+    `JsonValueErrors` for values the checks refuse (at most `max_errors`).
+
+    With `streams`, each item of an array at one of its paths goes to its taker as soon as
+    it is parsed, and the document holds that array empty: a large body's groups need not
+    exist all at once. What a taker raises stops the parse and is raised as it is. A text
+    the value checks would walk raises `Unstreamable` before anything is parsed."""
+    if streams and _suspect(data):
+        raise Unstreamable("the text may hold refused values; parse it whole")
     text = decode(data)
-    parser = _Parser(text, max_depth)
+    parser = _Parser(text, max_depth, streams or {})
     try:
         value, end = parser.value(parser.skip(0), 0, ())
     except JsonTextError as exc:
@@ -102,7 +124,7 @@ def loads(data: bytes, *, max_depth: int, max_errors: int = 100) -> Any:
         error = _syntax("Extra data", end)
         error.document, value = value, None
         raise error
-    if _suspect(data):
+    if not streams and _suspect(data):
         problems = list(islice(_problems(value), max_errors))
         if problems:
             refused, value = JsonValueErrors(problems, value), None
@@ -149,20 +171,22 @@ def _syntax(message: str, pos: int) -> JsonTextError:
 
 def _suspect(data: bytes) -> bool:
     """Whether the text may hold a value the checks refuse: a surrogate escape, NaN,
-    Infinity, an exponent of three digits or more, a run of 309 digits. Most bodies hold
-    none; those that do are walked. A window at a time: each call holds the GIL."""
+    Infinity, an exponent of three digits or more, a run of 200 digits (with an exponent
+    under 100, a number overflows a double from 211 digits on: `1` and 300 zeros `e10` is
+    infinite). Most bodies hold none; those that do are walked. A window at a time: each
+    call holds the GIL."""
     for start in range(0, len(data), _WINDOW):
         window = data[start : start + _WINDOW + _OVERLAP]
         if b"\\ud" in window or b"\\uD" in window or b"NaN" in window or b"Infinity" in window:
             return True
         digits = window.translate(_DIGITS)
-        if b"e000" in digits or b"e+000" in digits or b"0" * 309 in digits:
+        if b"e000" in digits or b"e+000" in digits or b"0" * _DIGIT_RUN in digits:
             return True
     return False
 
 
 class _Parser:
-    def __init__(self, text: str, max_depth: int) -> None:
+    def __init__(self, text: str, max_depth: int, streams: Streams) -> None:
         # The C scanner `json.loads` uses; one per text (it keeps a memo of keys).
         self.scan = make_scanner(_DECODER)  # type: ignore[arg-type]
         self.s = text
@@ -174,6 +198,11 @@ class _Parser:
         self.budget = max(self.n, 4 * CHUNK)
         # The containers being walked, outermost first (what an error leaves behind).
         self.open: list[Any] = []
+        self.streams = streams
+        # The containers on the way to a streamed array. Streamed or not, the parse takes
+        # the same steps (the same calls of the scanner, the same walks), so it refuses and
+        # accepts the same texts; only a walked streamed array's items are handed out.
+        self.above = {path[:n] for path in streams for n in range(len(path) + 1)}
 
     def skip(self, idx: int) -> int:
         if idx < self.n and self.s[idx] in _WS_CHARS:
@@ -189,7 +218,7 @@ class _Parser:
         if depth >= self.max_depth:
             raise _too_deep(self.max_depth, path)
         parsed = self.whole(idx, depth, path, hint)
-        if parsed is not None:
+        if parsed is not None:  # a streamed array in it stays in it: nothing was taken
             return parsed
         if char == "{":
             return self.object(idx, depth, path)
@@ -249,6 +278,10 @@ class _Parser:
                 key, idx = scanstring(s, idx + 1, True)
             except JSONDecodeError as exc:
                 raise _syntax(exc.msg, exc.pos) from None
+            if key in result and path in self.above:
+                # The last of the keys counts, and the items of a streamed array it held
+                # (here, or further in) were handed out already.
+                raise Unstreamable(f"{(*path, key)} is given more than once")
             idx = skip(idx)
             if s[idx : idx + 1] != ":":
                 raise _syntax("Expecting ':' delimiter", idx)
@@ -271,11 +304,17 @@ class _Parser:
         if s[idx : idx + 1] == "]":
             return result, idx + 1
         self.open.append(result)
-        hint = 0
+        take = self.streams.get(path) if self.above else None
+        hint = count = 0
         while True:
             start = idx
-            item, idx = self.value(start, depth + 1, (*path, len(result)), hint)
-            result.append(item)
+            item, idx = self.value(start, depth + 1, (*path, count), hint)
+            if take is None:
+                result.append(item)
+            else:
+                take(item)
+                del item  # the taker's now, to keep or let go
+            count += 1
             hint = idx - start
             idx = skip(idx)
             char = s[idx : idx + 1]
@@ -393,7 +432,14 @@ def dumps_bytes(value: Any) -> bytes:
     """`dumps(value)` as UTF-8, for a large document. Joining str pieces, or encoding a
     large str, is one call that holds the GIL while it copies (50 MB: tens of ms, more on
     a loaded machine); `bytes.join` copies without it (from 1 MiB on)."""
-    return b"".join([piece.encode() for piece in _pieces(value, _Weights())])
+    return b"".join(dumps_pieces(value))
+
+
+def dumps_pieces(value: Any) -> Iterator[bytes]:
+    """`dumps_bytes(value)` a piece at a time (UTF-8), for a consumer that need not hold
+    the whole text (a compressor)."""
+    for piece in _pieces(value, _Weights()):
+        yield piece.encode()
 
 
 PIECE = 4096
@@ -449,12 +495,18 @@ def _encode_batch(batch: list[Any], brackets: str) -> str:
     return json_dumps(dict(batch) if brackets == "{}" else batch)[1:-1]
 
 
+_UNKNOWN = object()
+_REMEMBERED = 64
+"""Containers heavier than this many nodes have their weight remembered."""
+
+
 class _Weights:
     """How many nodes a value has (a long string counts as several), or None if more than
-    `PIECE`, for one document being encoded. Each container's weight is remembered (by
-    `id`, while the document is alive): walking down into a heavy container, its members
-    were weighed already, so every node is counted about once rather than once per level
-    above it (that was 3.5x the time of encoding the document whole)."""
+    `PIECE`, for one document being encoded. The weight of each container over
+    `_REMEMBERED` nodes is remembered (by `id`, while the document is alive): walking down
+    into a heavy container, its members were weighed already, so every node is counted at
+    most about twice rather than once per level above it (that was 3.5x the time of
+    encoding the document whole). Small ones are weighed again when asked."""
 
     __slots__ = ("_known",)
 
@@ -468,8 +520,9 @@ class _Weights:
         if kind is not dict and kind is not list and kind is not tuple:
             return 1
         key = id(value)
-        if key in self._known:
-            return self._known[key]
+        known = self._known.get(key, _UNKNOWN)
+        if known is not _UNKNOWN:
+            return known  # type: ignore[return-value]
         total = 1 + len(value)
         weight: int | None = None
         if total <= PIECE:
@@ -477,8 +530,8 @@ class _Weights:
                 inner = type(item)
                 if inner is str:
                     total += len(item) >> 6
-                elif inner is dict or inner is list or inner is tuple:
-                    below = self.of(item)
+                elif (inner is dict or inner is list or inner is tuple) and item:
+                    below = self.of(item)  # an empty one weighs 1, counted above
                     if below is None:
                         break
                     total += below - 1
@@ -486,5 +539,8 @@ class _Weights:
                     break
             else:
                 weight = total
-        self._known[key] = weight
+        if weight is None or weight > _REMEMBERED:
+            # Small containers are weighed again when asked (a few nodes); remembering
+            # each of the document's many small ones cost more than that.
+            self._known[key] = weight
         return weight

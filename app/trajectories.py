@@ -114,11 +114,18 @@ def _collection_issues(
     if not collection.trajectories:
         yield TrajectoryIssue(("trajectories",), "nothing to train: no groups", "nothing_to_train")
     for g, group in enumerate(collection.trajectories):
-        if not group:
-            yield TrajectoryIssue(("trajectories", g), "the group is empty", "empty_group")
-        for t, trajectory in enumerate(group):
-            for loc, msg, type_ in _nat_trajectory_problems(trajectory, require_logprobs):
-                yield TrajectoryIssue(("trajectories", g, t, *loc), msg, type_)
+        yield from nat_group_issues(g, group, require_logprobs)
+
+
+def nat_group_issues(
+    g: int, group: Sequence[NatTrajectory], require_logprobs: bool
+) -> Iterator[TrajectoryIssue]:
+    """The problems of a collection's group `g` (locations start at the collection)."""
+    if not group:
+        yield TrajectoryIssue(("trajectories", g), "the group is empty", "empty_group")
+    for t, trajectory in enumerate(group):
+        for loc, msg, type_ in _nat_trajectory_problems(trajectory, require_logprobs):
+            yield TrajectoryIssue(("trajectories", g, t, *loc), msg, type_)
 
 
 def _nat_trajectory_problems(
@@ -193,11 +200,18 @@ def _groups_issues(
     if not groups:
         yield TrajectoryIssue((), "nothing to train: no groups", "nothing_to_train")
     for g, group in enumerate(groups):
-        if not group.trajectories:
-            yield TrajectoryIssue((g, "trajectories"), "the group is empty", "empty_group")
-        for t, trajectory in enumerate(group.trajectories):
-            for loc, msg, type_ in _art_trajectory_problems(trajectory, require_logprobs):
-                yield TrajectoryIssue((g, "trajectories", t, *loc), msg, type_)
+        yield from art_group_issues(g, group, require_logprobs)
+
+
+def art_group_issues(
+    g: int, group: ArtTrajectoryGroup, require_logprobs: bool
+) -> Iterator[TrajectoryIssue]:
+    """The problems of group `g` (locations start at the groups list)."""
+    if not group.trajectories:
+        yield TrajectoryIssue((g, "trajectories"), "the group is empty", "empty_group")
+    for t, trajectory in enumerate(group.trajectories):
+        for loc, msg, type_ in _art_trajectory_problems(trajectory, require_logprobs):
+            yield TrajectoryIssue((g, "trajectories", t, *loc), msg, type_)
 
 
 def _art_trajectory_problems(
@@ -401,19 +415,21 @@ def collection_to_groups(collection: TrajectoryCollection) -> list[dict[str, Any
     trajectory). Trajectory metadata is kept, with non-scalar values encoded as JSON text,
     because ART 0.5.18 accepts scalars only.
     """
-    return [
-        {
-            "trajectories": [
-                {
-                    "messages_and_choices": [_nat_item_to_art(i) for i in trajectory.episode],
-                    "reward": trajectory.reward,
-                    "metadata": _scalar_metadata(trajectory.metadata or {}),
-                }
-                for trajectory in group
-            ]
-        }
-        for group in collection.trajectories
-    ]
+    return [nat_group_to_art(group) for group in collection.trajectories]
+
+
+def nat_group_to_art(group: Sequence[NatTrajectory]) -> dict[str, Any]:
+    """One checked NAT group as an ART-style group (see `collection_to_groups`)."""
+    return {
+        "trajectories": [
+            {
+                "messages_and_choices": [_nat_item_to_art(i) for i in trajectory.episode],
+                "reward": trajectory.reward,
+                "metadata": _scalar_metadata(trajectory.metadata or {}),
+            }
+            for trajectory in group
+        ]
+    }
 
 
 def collection_to_art(collection: TrajectoryCollection) -> list[art.TrajectoryGroup]:
@@ -617,15 +633,17 @@ def _scalar_metadata(metadata: dict[str, Any]) -> dict[str, float | int | str | 
 
 def summarize_collection(collection: TrajectoryCollection) -> TrajectorySummary:
     """Group counts of a NAT collection, and the groups GRPO cannot learn from."""
-    return _summarize([[t.reward for t in group] for group in collection.trajectories])
+    return summarize_rewards([[t.reward for t in group] for group in collection.trajectories])
 
 
 def summarize_groups(groups: Sequence[ArtTrajectoryGroup]) -> TrajectorySummary:
     """Group counts of ART-style groups, and the groups GRPO cannot learn from."""
-    return _summarize([[t.reward for t in group.trajectories] for group in groups])
+    return summarize_rewards([[t.reward for t in group.trajectories] for group in groups])
 
 
-def _summarize(rewards: Iterable[list[float]]) -> TrajectorySummary:
+def summarize_rewards(rewards: Iterable[list[float]]) -> TrajectorySummary:
+    """Group counts of groups given as their trajectories' rewards, and the groups GRPO
+    cannot learn from."""
     rewards = list(rewards)
     untrainable = [g for g, group in enumerate(rewards) if len(set(group)) < 2]
     return TrajectorySummary(

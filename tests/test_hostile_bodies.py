@@ -236,6 +236,12 @@ async def test_every_surrogate_is_listed_and_a_valid_pair_is_text(live, database
         ),
         ('{"model": "agent", "metadata": {"x": 1e400}, "groups": []}', "metadata.x", "large"),
         ('{"model": "agent", "metadata": {"x": -1.5E+309}, "groups": []}', "metadata.x", "large"),
+        # A two-digit exponent: the digits make it infinite.
+        (
+            '{"model": "agent", "metadata": {"x": 1' + "0" * 300 + 'e10}, "groups": []}',
+            "metadata.x",
+            "large",
+        ),
         ('{"model": "agent", "policy_step": Infinity, "groups": []}', "policy_step", "Infinity"),
     ],
 )

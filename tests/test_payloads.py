@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import shutil
+import tracemalloc
 from pathlib import Path
 
 import pytest
 from sqlalchemy import select
 
+from app import jsontext
 from app.backends import Backends
 from app.db import create_engine
+from app.jobs import payloads
 from app.jobs.lifecycle import JobStatus, Released
 from app.jobs.payloads import Payload, UnknownPayloadFormat
 from app.jobs.store import store_for
@@ -93,3 +96,41 @@ def test_new_jobs_store_the_current_spec_and_an_unknown_format_is_refused() -> N
     assert [t.reward for t in group.trajectories] == [1.0, 0.0]
     with pytest.raises(UnknownPayloadFormat, match=r"trainyard\.training\.v9"):
         training_spec.decode(Payload("trainyard.training.v9+json;zstd", payload.data, 1))
+
+
+def _large_groups() -> list[dict[str, object]]:
+    """ART-style groups whose JSON is about 6 MB and compresses well, as specs do."""
+    groups = f.art_groups([[1.0, 0.0]] * 40)
+    text = "a step of reasoning " * 20
+    for group in groups:
+        for trajectory in group["trajectories"]:
+            trajectory["messages_and_choices"] = [
+                {"role": "user", "content": f"{text} {n}"} for n in range(180)
+            ]
+    return groups
+
+
+def test_a_spec_is_compressed_a_piece_at_a_time_into_a_frame_of_its_own_size() -> None:
+    """The whole text is never held (the compressor is fed a MiB at a time), and what is
+    stored keeps only the frame's bytes allocated: zstd's one-shot `compress` returns an
+    object that keeps its worst-case buffer (about the text's size) for as long as it lives."""
+    groups = _large_groups()
+    text = jsontext.dumps_bytes({"groups": groups})
+    assert len(text) > 5 * 2**20
+    tracemalloc.start()
+    try:
+        before, _ = tracemalloc.get_traced_memory()
+        payload = training_spec.encode(groups)
+        held, peak = tracemalloc.get_traced_memory()
+        one_shot = payloads.compress(text)
+        held_by_compress, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert payload.size == len(text)
+    assert payloads.decompress(payload.data, payload.size) == text
+    assert len(payload.data) < len(text) / 5
+    assert held - before < 2 * len(payload.data) + 2**20, (held - before, len(payload.data))
+    assert peak - before < 3 * payloads.FEED, (peak - before, len(text))
+    assert payloads.decompress(one_shot, len(text)) == text
+    assert held_by_compress - held < 2 * len(one_shot) + 2**20
+    assert training_spec.stored_groups(payload) == groups

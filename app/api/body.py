@@ -11,8 +11,13 @@ hands it to the service's `prepare`, all in one step:
   same way once the response is sent.
 
 Validation takes a body a piece at a time (`app.schemas.pieces`), each piece in one
-short call. The route documents the body with `json_body(model)`, the
-same OpenAPI request body FastAPI would write for a `model` parameter.
+short call. A route whose body holds one large list (a training job's groups) may read a
+large body an item at a time (`Reading.stream`): each item is checked, validated and
+kept in its final form as the parser reaches it, so the parsed list never exists whole;
+at the first problem the body is read whole, which reports every problem in order.
+
+The route documents the body with `json_body(model)`, the same OpenAPI request body
+FastAPI would write for a `model` parameter.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import asyncio
 import email.message
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel
@@ -36,6 +41,8 @@ from app.settings import Settings
 
 M = TypeVar("M", bound=BaseModel)
 R = TypeVar("R")
+M_in = TypeVar("M_in", bound=BaseModel, contravariant=True)
+R_out = TypeVar("R_out", covariant=True)
 
 INLINE_BYTES = 64 * 1024
 """Bodies up to this size are read in the request's task; larger ones in a thread."""
@@ -62,16 +69,31 @@ def json_body(model: type[BaseModel]) -> dict[str, Any]:
     }
 
 
+class Stream(Protocol[M_in, R_out]):
+    """A body's large list read an item at a time (`Reading.stream`): `streams` takes the
+    items as they are parsed (`app.jsontext.loads`) and raises `jsontext.Unstreamable` at
+    the first one with a problem to report; `finish` makes of the body, validated with
+    that list empty, what `prepare` would make of it whole, or None to have it read whole."""
+
+    @property
+    def streams(self) -> jsontext.Streams: ...
+
+    def finish(self, body: M_in, raw: bytes) -> R_out | None: ...
+
+
 @dataclass(frozen=True)
 class Reading(Generic[M, R]):
     """How a route reads its body: the model, its pieces, the limits to check on the
     parsed JSON (`limits(data, settings)`: the problems, as FieldErrors, for a 413), and
-    what the service keeps of a valid body (`prepare(body, raw, settings)`)."""
+    what the service keeps of a valid body (`prepare(body, raw, settings)`). With
+    `stream`, a large body is first read a piece at a time, and whole only if that finds
+    something to report (see `Stream`)."""
 
     model: type[M]
     prepare: Callable[[M, bytes, Settings], R]
     pieces: Sequence[Piece] = ()
     limits: Callable[[Any, Settings], list[FieldError]] | None = None
+    stream: Callable[[Settings], Stream[M, R]] | None = None
 
 
 async def read_json(request: Request, reading: Reading[M, R]) -> R:
@@ -153,6 +175,10 @@ def _read_into(
         return _invalid(
             [FieldError(location="body", path="", message="Field required", type="missing")]
         )
+    if reading.stream is not None and len(raw) > INLINE_BYTES:
+        streamed = _read_streamed(raw, reading, reading.stream(settings), settings, trash)
+        if streamed is not None:
+            return streamed
     try:
         data = jsontext.loads(raw, max_depth=settings.max_json_depth, max_errors=MAX_ERRORS)
     except jsontext.JsonTextError as exc:
@@ -176,6 +202,32 @@ def _read_into(
         return _invalid(field_errors_of(errors), more=more)
     trash.append(body)
     return reading.prepare(body, raw, settings)
+
+
+def _read_streamed(
+    raw: bytes, reading: Reading[M, R], stream: Stream[M, R], settings: Settings, trash: list[Any]
+) -> R | ProblemError | None:
+    """What `prepare` makes of a body read a piece at a time, or None where the body must
+    be read whole: it has something to report, which only the whole body reports in full
+    and in order (a fault, a limit, a value the parser checks whole). A text that is not
+    JSON is the exception: every item before the fault was taken, so the fault is the
+    first thing to report, as the whole reading reports it, and it is reported here."""
+    try:
+        data = jsontext.loads(raw, max_depth=settings.max_json_depth, streams=stream.streams)
+    except jsontext.JsonTextError as exc:
+        trash.append(exc.document)
+        exc.document = None
+        return _invalid([_text_error(exc)])
+    except jsontext.Unstreamable:
+        return None
+    trash.append(data)
+    if reading.limits is not None and reading.limits(data, settings):
+        return None
+    body, _, _ = validate(reading.model, data, reading.pieces, MAX_ERRORS)
+    if body is None:
+        return None
+    trash.append(body)
+    return stream.finish(body, raw)
 
 
 def _invalid(errors: list[FieldError], *, more: bool = False) -> InvalidInputError:

@@ -28,7 +28,9 @@ router = APIRouter(
 
 
 TRAINING = JobKind.training
-READING = Reading(TrainingJobCreate, service.prepare, TRAINING_PIECES, service.limits)
+READING = Reading(
+    TrainingJobCreate, service.prepare, TRAINING_PIECES, service.limits, service.StreamedGroups
+)
 
 
 @router.post(
@@ -58,7 +60,7 @@ async def create(
     else:
         response.headers["Idempotent-Replayed"] = "true"
     response.headers["Location"] = f"/v1/training-jobs/{job.id}"
-    return service.to_wire(job)
+    return service.to_wire(jobs.JobView.of(job))
 
 
 @router.get(
@@ -109,7 +111,7 @@ async def cancel(job_id: JobId, request: Request, session: Session) -> TrainingJ
     job = await jobs.cancel_job(session, job_id, kind=TRAINING)
     await session.commit()
     request.app.state.notifier.events_appended(job.id)
-    return service.to_wire(job)
+    return service.to_wire(jobs.JobView.of(job))
 
 
 @router.get(

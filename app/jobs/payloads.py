@@ -9,7 +9,7 @@ adds a decoder here, and jobs queued before an upgrade keep decoding with theirs
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -36,13 +36,66 @@ class Payload:
     size: int  # bytes of JSON before compression (caps decompression)
 
 
+FEED = 1 << 20
+"""Bytes handed to the compressor in one call."""
+
+
 def compress(raw: bytes) -> bytes:
+    """One zstd frame of `raw`, in a bytes object of its own size."""
+    view = memoryview(raw)
+    data, _ = compress_pieces(view[start : start + FEED] for start in range(0, len(raw), FEED))
+    return data
+
+
+def compress_pieces(pieces: Iterable[bytes | memoryview]) -> tuple[bytes, int]:
+    """One zstd frame of the pieces' concatenation, and that concatenation's size (see
+    `Compressing`)."""
     compressor = getattr(_local, "compressor", None)
     if compressor is None:
-        # Level 1: several hundred MB/s; JSON trajectories still shrink 5-10x.
-        compressor = _local.compressor = zstandard.ZstdCompressor(level=1)
-    data: bytes = compressor.compress(raw)
-    return data
+        compressor = _local.compressor = _compressor()
+    frame = Compressing(compressor)
+    for piece in pieces:
+        frame.add(piece)
+    return frame.finish()
+
+
+def _compressor() -> zstandard.ZstdCompressor:
+    # Level 1: several hundred MB/s; JSON trajectories still shrink 5-10x.
+    return zstandard.ZstdCompressor(level=1)
+
+
+class Compressing:
+    """One zstd frame of pieces handed in one at a time. The compressor is fed about FEED
+    bytes at a time, so the uncompressed text never exists whole; and what `finish` returns
+    is the frame's size. (`ZstdCompressor.compress` returns an object that keeps its whole
+    worst-case buffer: a 25 MB spec's 3 MB frame held 25 MB for as long as the job's payload
+    lived.) Without a `compressor`, it has one of its own: one compressor serves one frame
+    at a time."""
+
+    def __init__(self, compressor: zstandard.ZstdCompressor | None = None) -> None:
+        self._stream = (compressor or _compressor()).compressobj()
+        self._frame: list[bytes] = []
+        self._batch: list[bytes | memoryview] = []
+        self._batched = 0
+        self._size = 0
+
+    def add(self, piece: bytes | memoryview) -> None:
+        self._batch.append(piece)
+        self._batched += len(piece)
+        if self._batched >= FEED:
+            self._feed()
+
+    def _feed(self) -> None:
+        self._frame.append(self._stream.compress(b"".join(self._batch)))
+        self._size += self._batched
+        self._batch.clear()
+        self._batched = 0
+
+    def finish(self) -> tuple[bytes, int]:
+        """The frame, and the size of what was added."""
+        self._feed()
+        self._frame.append(self._stream.flush())
+        return b"".join(self._frame), self._size
 
 
 def decompress(data: bytes, size: int) -> bytes:
@@ -58,9 +111,11 @@ class Codec(Generic[T]):
     decoders: Mapping[str, Callable[[bytes], T]]
 
     def encode(self, document: Any) -> Payload:
-        # `json_dumps`'s text, built a piece at a time: a large spec is encoded in a
-        # thread while the event loop keeps serving (see `app.jsontext`).
-        return self.encode_json(jsontext.dumps_bytes(document))
+        # `json_dumps`'s text, built and compressed a piece at a time: a large spec is
+        # encoded in a thread while the event loop keeps serving (see `app.jsontext`), and
+        # its whole text is never held at once.
+        data, size = compress_pieces(jsontext.dumps_pieces(document))
+        return Payload(self.current, data, size)
 
     def encode_json(self, raw: bytes) -> Payload:
         """A document already encoded as JSON (UTF-8)."""

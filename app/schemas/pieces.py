@@ -96,6 +96,25 @@ def validate(
     return body, [], False
 
 
+def validate_item(item: Any, path: tuple[str, ...], pieces: Sequence[Piece]) -> Any | None:
+    """An item of a list at `path` (a parsed body's, handed out alone: `app.jsontext`'s
+    streams) validated as `validate` validates it inside the whole body, by the pieces at
+    and under `path`'s items, innermost first: the validated item, or None at its first
+    error (the body read whole reports them)."""
+    holder = [item]
+    under = (*path, EACH)
+    for piece in pieces:
+        if piece.path[: len(under)] != under:
+            continue
+        for items in _lists(holder, piece.path[len(path) : -1]):
+            for i, value in enumerate(items):
+                try:
+                    items[i] = piece.adapter.validate_python(value, from_attributes=True)
+                except ValidationError:
+                    return None
+    return holder[0]
+
+
 def _lists(node: Any, path: tuple[str, ...]) -> Iterator[list[Any]]:
     if not path:
         if isinstance(node, list):

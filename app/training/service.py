@@ -10,33 +10,40 @@ from typing import Any
 from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from app import jsontext
 from app.backends import SPECS
 from app.db import begin_write
 from app.errors import InvalidInputError, field_errors, format_path
 from app.jobs.lifecycle import JobKind, JobStatus
 from app.jobs.payloads import Payload
-from app.jobs.service import enqueue_once, get_job, job_fields, replay
+from app.jobs.service import JobView, enqueue_once, get_job, job_fields, replay
 from app.jobs.store import new_job
 from app.models import JobRow, ModelRow
 from app.schemas.common import FieldError
 from app.schemas.jobs import (
+    TRAINING_PIECES,
     JobResult,
     TrainingJob,
     TrainingJobCreate,
     TrainingTrajectories,
     TrajectoryShape,
 )
+from app.schemas.pieces import validate_item
 from app.schemas.trajectories import ArtTrajectoryGroup, TrajectoryCollection, TrajectorySummary
 from app.settings import Settings
 from app.training import spec
 from app.trajectories import (
     MAX_ISSUES,
     Loc,
+    art_group_issues,
     check_collection,
     check_groups,
     groups_to_collection,
+    nat_group_issues,
+    nat_group_to_art,
     summarize_collection,
     summarize_groups,
+    summarize_rewards,
 )
 
 # Stored specs above this are read back in a thread, so the event loop keeps serving.
@@ -94,6 +101,17 @@ class Prepared:
 def prepare(body: TrainingJobCreate, raw: bytes, settings: Settings) -> Prepared:
     """Check the trajectories and encode the spec (in a thread for a large body)."""
     summary, errors = check_trajectories(body)
+    payload = None if errors else spec.encode(spec.groups_of(body))
+    return _prepared(body, raw, summary, errors, payload)
+
+
+def _prepared(
+    body: TrainingJobCreate,
+    raw: bytes,
+    summary: TrajectorySummary,
+    errors: list[dict[str, Any]],
+    payload: Payload | None,
+) -> Prepared:
     return Prepared(
         model=body.model,
         hyperparameters=body.hyperparameters,
@@ -102,9 +120,74 @@ def prepare(body: TrainingJobCreate, raw: bytes, settings: Settings) -> Prepared
         max_steps_off_policy=body.max_steps_off_policy,
         summary=summary,
         errors=errors,
-        payload=None if errors else spec.encode(spec.groups_of(body)),
+        payload=payload,
         request_hash=hashlib.sha256(raw).hexdigest(),
     )
+
+
+class StreamedGroups:
+    """A large training body read a group at a time, as the parser reaches each group
+    (`app.jsontext` streams, `Reading.stream`): the group is checked against the limits,
+    validated, checked, converted and added to the compressed spec, then let go, so the
+    body's groups never exist all at once (parsed whole, a 23 MB collection held about
+    106 MB of objects, validated another copy).
+
+    It reads only bodies with nothing to report: at the first problem of any kind (a
+    limit, a field, a check, a job that trains without logprobs) it gives up
+    (`Unstreamable`), and the body is read whole, which reports every problem in order.
+    The body's own fields are validated with the streamed list left empty: neither
+    `TrainingJobCreate` nor `TrajectoryCollection` constrains the list itself."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.over = _Limits(settings)
+        self.rewards: list[list[float]] = []
+        self.source: str | None = None
+        self.spec = spec.Encoding()
+
+    @property
+    def streams(self) -> jsontext.Streams:
+        return {("groups",): self._art_group, ("collection", "trajectories"): self._nat_group}
+
+    def _art_group(self, item: Any) -> None:
+        g = self._next("groups")
+        self.over.art_group(g, item)
+        self._within_limits()
+        group = validate_item(item, ("groups",), TRAINING_PIECES)
+        if group is None or next(art_group_issues(g, group, True), None) is not None:
+            raise jsontext.Unstreamable(f"groups[{g}] has a problem to report")
+        self._add([t.reward for t in group.trajectories], spec.group_json(group))
+
+    def _nat_group(self, item: Any) -> None:
+        g = self._next("collection")
+        self.over.nat_group(g, item)
+        self._within_limits()
+        group = validate_item(item, ("collection", "trajectories"), TRAINING_PIECES)
+        if group is None or next(nat_group_issues(g, group, True), None) is not None:
+            raise jsontext.Unstreamable(f"collection.trajectories[{g}] has a problem to report")
+        self._add([t.reward for t in group], nat_group_to_art(group))
+
+    def _next(self, source: str) -> int:
+        if self.source not in (None, source):
+            raise jsontext.Unstreamable("both `groups` and `collection`")
+        self.source = source
+        if len(self.rewards) >= self.settings.max_groups_per_job:
+            raise jsontext.Unstreamable("too many groups")
+        return len(self.rewards)
+
+    def _within_limits(self) -> None:
+        if self.over.errors or self.over.too_many_tokens():
+            raise jsontext.Unstreamable("a limit is exceeded")
+
+    def _add(self, rewards: list[float], group: dict[str, Any]) -> None:
+        self.spec.add(group)
+        self.rewards.append(rewards)
+
+    def finish(self, body: TrainingJobCreate, raw: bytes) -> Prepared | None:
+        """What `prepare` makes of the whole body; None if it must be read whole."""
+        if not self.rewards or body.hyperparameters.get("allow_training_without_logprobs") is True:
+            return None  # no groups to report; checks that differ without logprobs
+        return _prepared(body, raw, summarize_rewards(self.rewards), [], self.spec.finish())
 
 
 def limits(data: Any, settings: Settings) -> list[FieldError]:
@@ -117,26 +200,13 @@ def limits(data: Any, settings: Settings) -> list[FieldError]:
     if isinstance(groups, list):
         over.count(("groups",), groups, "groups", settings.max_groups_per_job)
         for g, group in enumerate(groups):
-            trajectories = group.get("trajectories") if isinstance(group, dict) else None
-            over.count(("groups", g, "trajectories"), trajectories, "trajectories")
-            for t, trajectory in enumerate(_list(trajectories)):
-                if isinstance(trajectory, dict):
-                    at: Loc = ("groups", g, "trajectories", t)
-                    items = trajectory.get("messages_and_choices")
-                    over.count((*at, "messages_and_choices"), items, "items")
-                    over.count((*at, "tools"), trajectory.get("tools"), "tools")
-                    over.tokens_of(items)
+            over.art_group(g, group)
     if isinstance(collection, dict):
         groups = collection.get("trajectories")
         over.count(("collection", "trajectories"), groups, "groups", settings.max_groups_per_job)
         for g, group in enumerate(_list(groups)):
-            over.count(("collection", "trajectories", g), group, "trajectories")
-            for t, trajectory in enumerate(_list(group)):
-                if isinstance(trajectory, dict):
-                    episode = trajectory.get("episode")
-                    over.count(("collection", "trajectories", g, t, "episode"), episode, "items")
-                    over.tokens_of(episode)
-    if over.tokens > settings.max_logprob_tokens_per_job:
+            over.nat_group(g, group)
+    if over.too_many_tokens():
         over.errors.append(
             FieldError(
                 location="body",
@@ -180,6 +250,30 @@ class _Limits:
                     type=f"too_many_{what}",
                 )
             )
+
+    def art_group(self, g: int, group: Any) -> None:
+        """The limits of `groups[g]` (parsed, not yet validated)."""
+        trajectories = group.get("trajectories") if isinstance(group, dict) else None
+        self.count(("groups", g, "trajectories"), trajectories, "trajectories")
+        for t, trajectory in enumerate(_list(trajectories)):
+            if isinstance(trajectory, dict):
+                at: Loc = ("groups", g, "trajectories", t)
+                items = trajectory.get("messages_and_choices")
+                self.count((*at, "messages_and_choices"), items, "items")
+                self.count((*at, "tools"), trajectory.get("tools"), "tools")
+                self.tokens_of(items)
+
+    def nat_group(self, g: int, group: Any) -> None:
+        """The limits of `collection.trajectories[g]` (parsed, not yet validated)."""
+        self.count(("collection", "trajectories", g), group, "trajectories")
+        for t, trajectory in enumerate(_list(group)):
+            if isinstance(trajectory, dict):
+                episode = trajectory.get("episode")
+                self.count(("collection", "trajectories", g, t, "episode"), episode, "items")
+                self.tokens_of(episode)
+
+    def too_many_tokens(self) -> bool:
+        return self.tokens > self.settings.max_logprob_tokens_per_job
 
     def tokens_of(self, items: Any) -> None:
         """Count the logprob entries of a trajectory's items (any that carry them)."""
@@ -266,7 +360,7 @@ def _shaped(
     return TrainingTrajectories(groups=groups)
 
 
-def to_wire(job: JobRow) -> TrainingJob:
+def to_wire(job: JobView) -> TrainingJob:
     result = None
     if job.status == JobStatus.succeeded.value:
         result = JobResult(
@@ -288,7 +382,7 @@ def to_wire(job: JobRow) -> TrainingJob:
     )
 
 
-def _untrained_reason(job: JobRow) -> str:
+def _untrained_reason(job: JobView) -> str:
     if job.summary.get("num_trainable_groups") == 0:
         return (
             "no group was trainable (each had one trajectory or equal rewards: GRPO learns "
