@@ -6,6 +6,9 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import subprocess
+import sys
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
@@ -265,3 +268,77 @@ async def test_the_api_keeps_its_access_log_once_a_cpu_model_is_served(
     # The model endpoint's requests are not mixed into the API's access log.
     assert not any("/chat/completions" in line for line in lines.lines)
     assert access.isEnabledFor(logging.INFO)
+
+
+# Run in a fresh interpreter, as a worker is: huggingface_hub answers "is X installed?" on
+# first use, and those first answers are the ones threads raced for.
+_SAVE_AT_ONCE = textwrap.dedent(
+    """
+    import importlib.metadata, sys, threading
+    from pathlib import Path
+    from app.backends.cpu_policy import Policy
+    import huggingface_hub.utils as hub
+
+    base, out = Path(sys.argv[1]), Path(sys.argv[2])
+    built = {}
+    barrier = threading.Barrier(6)
+
+    def build(seed):
+        barrier.wait()
+        built[seed] = Policy(str(base), rank=2, alpha=4, seed=seed)
+
+    threads = [threading.Thread(target=build, args=(seed,)) for seed in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    policies = [built[seed] for seed in range(6)]
+    for seed in (0, 5):  # built at once, each drew its own seed's first weights
+        alone = Policy(str(base), rank=2, alpha=4, seed=seed).model.state_dict()
+        for name, tensor in policies[seed].model.state_dict().items():
+            assert (tensor == alone[name]).all(), (seed, name)
+    errors = []
+
+    def save(i, policy):
+        barrier.wait()
+        try:
+            policy.save(out / f"model-{i}", 1)
+        except Exception as exc:
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=save, args=pair) for pair in enumerate(policies)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    saved = sorted(p.parent.name for p in out.glob("model-*/adapter_model.safetensors"))
+    assert saved == [f"model-{i}" for i in range(6)], saved
+
+    def unreachable(name):
+        raise AssertionError(f"looked {name} up after import")
+
+    importlib.metadata.version = unreachable  # every answer was settled at import
+    assert hub.is_jinja_available() and hub.is_torch_available()
+    print("saved", len(saved))
+    """
+)
+
+
+def test_models_built_and_saved_at_the_same_moment_in_threads(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """Models registered at once are built in threads at once, and two models training in
+    one worker save their adapters at once. Each is built from its own seed, and every save
+    succeeds: the first save of a process once failed in one thread ("ModelCard.
+    from_template requires Jinja2", Jinja2 installed): huggingface_hub had cached
+    "missing" before the version."""
+    result = subprocess.run(
+        [sys.executable, "-c", _SAVE_AT_ONCE, str(tiny_model), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "saved 6"

@@ -21,8 +21,30 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
+from app.backends.seeding import seeded
+
 # A service's log is no place for loading progress bars.
 transformers_logging.disable_progress_bar()
+
+
+def _settle_huggingface_checks() -> None:
+    """Answer huggingface_hub's "is X installed?" checks now, while this module's import
+    lock keeps us alone. It answers each on first use and caches the answer in two steps:
+    "N/A", then the version. A thread asking between the two is told X is missing: two
+    adapters saved at once (two models training in one worker) failed with "ModelCard.
+    from_template requires Jinja2", though Jinja2 was installed."""
+    import huggingface_hub.utils as hub
+
+    for name in dir(hub):
+        if (
+            name.startswith("is_")
+            and name.endswith("_available")
+            and name != "is_package_available"
+        ):
+            getattr(hub, name)()
+
+
+_settle_huggingface_checks()
 
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -54,12 +76,12 @@ class Policy:
     """A base model plus a LoRA adapter, its optimizer, and the lock that guards them."""
 
     def __init__(self, base_model: str, *, rank: int, alpha: int, seed: int) -> None:
-        torch.manual_seed(seed)
         self.tokenizer = AutoTokenizer.from_pretrained(base_model, local_files_only=True)
         base = AutoModelForCausalLM.from_pretrained(base_model, local_files_only=True)
         targets = [m for m in TARGET_MODULES if any(n.endswith(m) for n, _ in base.named_modules())]
         config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0)
-        self.model: PeftModel = get_peft_model(base, config)
+        with seeded(seed):  # the adapter's first weights
+            self.model: PeftModel = get_peft_model(base, config)
         self.model.eval()
         self.optimizer: torch.optim.Optimizer | None = None
         self.lock = threading.Lock()

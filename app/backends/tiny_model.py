@@ -118,9 +118,10 @@ def make_tiny_model(
     seed: int = 0,
 ) -> Path:
     """Write a tiny Llama-architecture model with random weights to `path`; returns it."""
-    import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from app.backends.seeding import seeded
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -140,7 +141,6 @@ def make_tiny_model(
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(path)
 
-    torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(vocab),
         hidden_size=hidden_size,
@@ -155,6 +155,8 @@ def make_tiny_model(
         tie_word_embeddings=False,
         initializer_range=initializer_range,
     )
-    LlamaForCausalLM(config).save_pretrained(path)
+    with seeded(seed):
+        model = LlamaForCausalLM(config)
+    model.save_pretrained(path)
     (path / "trainyard.json").write_text(json.dumps({"made_by": "trainyard make-tiny-model"}))
     return path
