@@ -481,10 +481,10 @@ def test_api_serves_on_the_published_and_probed_port(monkeypatch: pytest.MonkeyP
     )
 
 
-def test_api_healthcheck_path_is_served(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_api_healthcheck_path_is_served(monkeypatch: pytest.MonkeyPatch) -> None:
     """The probed path answers 200 without the app's lifespan (no database): a liveness
     check that needs the database would mark a healthy API unhealthy during outages."""
-    from fastapi.testclient import TestClient
+    import httpx
 
     from app.main import create_app
 
@@ -492,8 +492,10 @@ def test_api_healthcheck_path_is_served(monkeypatch: pytest.MonkeyPatch) -> None
     probe = " ".join(command_words(api["healthcheck"]["test"]))
     path = urlsplit(re.findall(r"https?://[^\s'\"]+", probe)[0]).path
     service = create_app(settings_from_env(environment(api), monkeypatch))
-    client = TestClient(service, raise_server_exceptions=False)  # no `with`: no lifespan
-    response = client.get(path)
+    # An ASGI transport sends no lifespan events: the app is never started.
+    transport = httpx.ASGITransport(app=service, raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://api") as client:
+        response = await client.get(path)
     assert response.status_code == 200, (
         f"the api healthcheck probes {path}: {response.status_code} {response.text[:200]}"
     )
