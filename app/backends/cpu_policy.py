@@ -3,7 +3,9 @@ samples (with logprobs, tokens as `token_id:N`) and how it takes a policy-gradie
 
 Everything here is synchronous torch code; `app.backends.cpu` runs it in threads, and one
 lock per model keeps sampling and training from interleaving (ART's shared-GPU mode has
-the same rule: no inference while a step trains).
+the same rule: no inference while a step trains). Different models run in threads at
+once, so what the whole process shares is settled at import (huggingface_hub's package
+checks) or taken under a lock (torch's random generator: `app.backends.seeding`).
 """
 
 from __future__ import annotations
