@@ -314,6 +314,9 @@ _SAVE_AT_ONCE = textwrap.dedent(
     assert not errors, errors
     saved = sorted(p.parent.name for p in out.glob("model-*/adapter_model.safetensors"))
     assert saved == [f"model-{i}" for i in range(6)], saved
+    # what the loader and the export read, and no model card (peft's README.md)
+    files = sorted(p.name for p in (out / "model-0").iterdir())
+    assert files == ["adapter_config.json", "adapter_model.safetensors"], files
 
     def unreachable(name):
         raise AssertionError(f"looked {name} up after import")
@@ -330,9 +333,9 @@ def test_models_built_and_saved_at_the_same_moment_in_threads(
 ) -> None:
     """Models registered at once are built in threads at once, and two models training in
     one worker save their adapters at once. Each is built from its own seed, and every save
-    succeeds: the first save of a process once failed in one thread ("ModelCard.
-    from_template requires Jinja2", Jinja2 installed): huggingface_hub had cached
-    "missing" before the version."""
+    succeeds and writes the adapter's two files. The first save of a process once failed
+    in one thread ("ModelCard.from_template requires Jinja2", Jinja2 installed):
+    huggingface_hub had cached "missing" before the version."""
     result = subprocess.run(
         [sys.executable, "-c", _SAVE_AT_ONCE, str(tiny_model), str(tmp_path)],
         capture_output=True,

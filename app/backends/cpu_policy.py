@@ -74,6 +74,10 @@ class Turn:
     advantage: float
 
 
+def _no_model_card(output_dir: str) -> None:
+    return None
+
+
 class Policy:
     """A base model plus a LoRA adapter, its optimizer, and the lock that guards them."""
 
@@ -84,6 +88,10 @@ class Policy:
         config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0)
         with seeded(seed):  # the adapter's first weights
             self.model: PeftModel = get_peft_model(base, config)
+        # peft writes a model card (README.md, rendered from a Jinja template) wherever it
+        # saves: 8 of a save's 10 ms here, for a file nothing reads (the loader and the
+        # export take the adapter's two files).
+        self.model.create_or_update_model_card = _no_model_card  # type: ignore[method-assign]
         self.model.eval()
         self.optimizer: torch.optim.Optimizer | None = None
         self.lock = threading.Lock()
