@@ -21,7 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from app.backends.tiny_model import make_tiny_model
 from app.db import create_engine, create_sessionmaker
 from app.jobs.payloads import Payload
-from app.models import JobEventRow, JobRow, RunMetricRow
+from app.models import JobEventRow, JobRow, RunMetricRow, WorkerRow
 from app.rollouts import spec as rollout_spec
 from app.runs import service as runs
 from app.runs.schedule import epoch_order
@@ -181,23 +181,24 @@ async def test_a_run_killed_again_and_again_finishes_as_if_it_never_was(
     for target in ["rollout", "training", "validation", None]:
         process = worker(settings)
         try:
-            role = target or "rollout"
             if target is None:
                 await asyncio.sleep(rng.uniform(0.2, 2.0))
-
-            async def in_child(role: str = role) -> bool:
-                return await running_child(make, run_id, role) or await _final(make, run_id)
-
-            await until(in_child, timeout=90, what=f"a {role} job of the run to run")
-            await asyncio.sleep(rng.uniform(0, 0.3 if target is None else 0.05))
-            if await _final(make, run_id):
-                break
-            process.send_signal(signal.SIGKILL)
-            process.wait(10)
+                await until(
+                    lambda: _running_or_final(make, run_id, "rollout"),
+                    timeout=90,
+                    what="a rollout job of the run to run",
+                )
+                await asyncio.sleep(rng.uniform(0, 0.3))
+                if await _final(make, run_id):
+                    break
+                process.send_signal(signal.SIGKILL)
+                process.wait(10)
+            elif not await kill_in_child(process, make, run_id, target):
+                break  # the run ended first
             kills.append(target or "random")
         finally:
             stop(process)
-    assert len(kills) >= 3, kills
+    assert kills[:3] == ["rollout", "training", "validation"], kills
     process = worker(settings)
     try:
         await until(
@@ -210,6 +211,54 @@ async def test_a_run_killed_again_and_again_finishes_as_if_it_never_was(
 
 async def _final(make: async_sessionmaker[AsyncSession], run_id: str) -> bool:
     return await run_status(make, run_id) in ("succeeded", "failed", "cancelled")
+
+
+async def _running_or_final(make: async_sessionmaker[AsyncSession], run_id: str, role: str) -> bool:
+    return await running_child(make, run_id, role) or await _final(make, run_id)
+
+
+async def kill_in_child(
+    process: Any,
+    make: async_sessionmaker[AsyncSession],
+    run_id: str,
+    role: str,
+    *,
+    slice_s: float = 0.002,
+    timeout: float = 90.0,
+) -> bool:
+    """SIGKILL the worker `process` while a `role` child of the run is running; False if
+    the run ended first. Once the worker has registered, it runs in slices of `slice_s`
+    and is stopped (SIGSTOP) while the database is read. A child runs for several slices
+    (the quickest, a training step of the tiny model, for 7.5-15 ms here), so it is seen
+    however fast the machine, and the kill lands while it still runs. A poll every 50 ms
+    of a running worker once missed every training step of a run."""
+
+    async def registered() -> bool:
+        async with make() as session:
+            found = await session.scalar(
+                select(WorkerRow.id).where(
+                    WorkerRow.pid == process.pid, WorkerRow.stopped_at.is_(None)
+                )
+            )
+        return found is not None or await _final(make, run_id)
+
+    await until(registered, timeout=timeout, what="the worker to register")
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        process.send_signal(signal.SIGSTOP)
+        try:
+            if await running_child(make, run_id, role):
+                process.send_signal(signal.SIGKILL)
+                process.wait(10)
+                return True
+            if await _final(make, run_id):
+                return False
+        finally:
+            if process.poll() is None:
+                process.send_signal(signal.SIGCONT)
+        assert loop.time() < deadline, f"timed out waiting for a {role} job of the run to run"
+        await asyncio.sleep(slice_s)
 
 
 async def test_two_workers_share_runs_of_three_models_one_job_per_model_at_a_time(
