@@ -125,27 +125,27 @@ def test_a_schedule_takes_every_example_once_per_epoch_then_ends() -> None:
         ("rollout", 6),
         ("validation", 6),
     ]
-    assert end.status is JobStatus.succeeded and end.state["stop_reason"] == "completed"
-    assert end.state["step"] == 6 and end.prune
+    assert end.status is JobStatus.succeeded and end.state.stop_reason == "completed"
+    assert end.state.step == 6 and end.prune
 
 
 def test_max_steps_ends_before_the_epochs_do() -> None:
     made, end = drive(plan(max_steps=4))
     assert [m for m in made if m[0] == "rollout"] == [("rollout", s) for s in range(1, 5)]
-    assert end.state["step"] == 4
+    assert end.state.step == 4
 
 
 def test_early_stopping_after_patience_validations_without_improvement() -> None:
     flat = {("validation", s): {"metrics": {"mean_reward": 0.4}} for s in range(0, 7, 2)}
     _, end = drive(plan(validate_every=2, early_stopping=(2, 0.0)), flat)
-    assert end.state["stop_reason"] == "early_stopping" and end.state["step"] == 4
-    assert end.state["best"] == {"step": 0, "score": 0.4}
+    assert end.state.stop_reason == "early_stopping" and end.state.step == 4
+    assert end.state.best == {"step": 0, "score": 0.4}
 
 
 def test_a_failed_child_fails_the_run_naming_it() -> None:
     broken = {("rollout", 2): {"status": "failed", "error": {"type": "X", "message": "boom"}}}
     _, end = drive(plan(), broken)
-    assert end.status is JobStatus.failed and end.state["step"] == 1
+    assert end.status is JobStatus.failed and end.state.step == 1
     assert end.error is not None and "r000002 failed: X: boom" in end.error["message"]
 
 
@@ -157,14 +157,14 @@ def test_off_policy_starts_the_next_rollout_while_the_step_trains() -> None:
     done = {child_id(RUN, "rollout", 1): child("rollout", 1)}
     second = decide(p, RUN, first.state, done, paused=False, cancel_requested=False)
     assert [(c.role, c.step) for c in second.create] == [("rollout", 2)]
-    assert second.state["waiting"] == ["training", 1]
+    assert second.state.waiting == ("training", 1)
 
 
 def test_curriculum_leaves_out_examples_always_solved_or_failed() -> None:
     # Every group of examples 0 and 1 is all one reward: the second epoch leaves them out.
     p = plan(curriculum=(1, 2))
     state = initial_state(p)
-    order = state["order"]
+    order = state.order
     outcomes = {}
     for step in range(1, 4):
         batch = order[(step - 1) * 2 : step * 2]
@@ -172,9 +172,9 @@ def test_curriculum_leaves_out_examples_always_solved_or_failed() -> None:
         metrics = {"mean_reward": 1.0, "num_groups": 2, "untrainable_groups": same}
         outcomes[("rollout", step)] = {"metrics": metrics}
     _, end = drive(p, outcomes)
-    assert end.state["excluded"] == [0, 1]
-    assert sorted(end.state["order"]) == [2, 3, 4, 5]
-    assert end.state["step"] == 5  # 3 steps, then 2 of the four examples left
+    assert end.state.excluded == [0, 1]
+    assert sorted(end.state.order) == [2, 3, 4, 5]
+    assert end.state.step == 5  # 3 steps, then 2 of the four examples left
 
 
 def test_pause_holds_and_cancel_cancels_the_child_under_way() -> None:
@@ -188,9 +188,9 @@ def test_pause_holds_and_cancel_cancels_the_child_under_way() -> None:
     training = {child_id(RUN, "training", 1): child("training", 1)}
     after = decide(p, RUN, started.state, done, paused=True, cancel_requested=False)
     paused = decide(p, RUN, after.state, training, paused=True, cancel_requested=False)
-    assert paused.state["step"] == 1 and paused.create == []  # the step landed; no next
+    assert paused.state.step == 1 and paused.create == []  # the step landed; no next
     cancel = decide(p, RUN, started.state, running, paused=False, cancel_requested=True)
     assert cancel.cancel == [child_id(RUN, "rollout", 1)] and cancel.status is None
     gone = {child_id(RUN, "rollout", 1): child("rollout", 1, status="cancelled")}
     over = decide(p, RUN, started.state, gone, paused=False, cancel_requested=True)
-    assert over.status is JobStatus.cancelled and over.state["stop_reason"] == "cancelled"
+    assert over.status is JobStatus.cancelled and over.state.stop_reason == "cancelled"

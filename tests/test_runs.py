@@ -17,6 +17,7 @@ from fastapi import FastAPI
 
 from app.backends.tiny_model import make_tiny_model
 from tests.conftest import LiveServer
+from tests.factories import art_groups, submit
 
 pytestmark = pytest.mark.torch
 FINAL = {"succeeded", "failed", "cancelled"}
@@ -322,3 +323,92 @@ async def test_a_run_with_an_agent_calls_it_as_rollout_jobs_do(serve) -> None:
     assert {c["model"]["name"] for c in calls} == {f"demo@{m['step'] - 1}" for m in metrics}
     assert [m["data"]["reward_mean"] for m in metrics] == [0.5, 0.5]
     assert {c["example"]["metadata"]["example_id"] for c in calls} == {"a0", "a1"}
+
+
+def yes_examples(count: int = 4) -> list[dict[str, Any]]:
+    return [
+        {"id": i, "messages": [{"role": "user", "content": "say yes"}], "expected": "yes"}
+        for i in range(count)
+    ]
+
+
+def inline_run(steps: int, **changes: Any) -> dict[str, Any]:
+    body = run_body("", examples=yes_examples(), validation=None, **changes)
+    del body["dataset"]
+    body["schedule"] = {"max_steps": steps, "examples_per_step": 2}
+    return body
+
+
+async def test_one_run_owns_its_model_until_it_ends(serve) -> None:
+    """A second run, a training job and a rollout that trains are refused (409, naming the
+    run) while a run is active on the model; sampling is not; once the run has ended (a
+    paused run cancelled shows `paused: false`) the model takes a run again."""
+    async with serve() as live:
+        client = live.client
+        await served(client)
+        first = (await client.post("/v1/runs", json=inline_run(500))).json()
+        paused = (await client.post(f"/v1/runs/{first['id']}/pause")).json()
+        second = await client.post("/v1/runs", json=inline_run(2))
+        training = await submit(client, "demo", groups=art_groups())
+        rollout = {
+            "model": "demo",
+            "examples": yes_examples(1),
+            "num_generations": 2,
+            "sampling": {"max_tokens": 1},
+            "grader": {"type": "exact_match"},
+        }
+        trains = await client.post("/v1/rollout-jobs", json={**rollout, "train": {}})
+        samples = await client.post("/v1/rollout-jobs", json=rollout)
+        cancelled = (await client.post(f"/v1/runs/{first['id']}/cancel")).json()
+        ended = await wait_run(client, first["id"])
+        third = await client.post("/v1/runs", json=inline_run(2))
+        done = await wait_run(client, third.json()["id"])
+    assert paused["paused"] is True
+    for refused in (second, training, trains):
+        assert refused.status_code == 409, refused.text
+        problem = refused.json()
+        assert problem["holder"] == first["id"] and first["id"] in problem["detail"]
+    assert samples.status_code == 202, samples.text
+    assert cancelled["cancel_requested"] is True
+    assert ended["status"] == "cancelled" and ended["paused"] is False
+    assert third.status_code == 202, third.text
+    assert done["status"] == "succeeded" and done["progress"]["step"] == 2
+
+
+async def test_a_run_whose_state_an_earlier_version_wrote_finishes(serve) -> None:
+    """A run in flight during an upgrade: its state row as the first release of runs
+    wrote it (format 1, no `format` key) is read by this one, and the run goes on."""
+    from sqlalchemy import text
+
+    from app.db import json_dumps
+
+    async with serve() as live:
+        client = live.client
+        await served(client)
+        run = (await client.post("/v1/runs", json=inline_run(4))).json()
+        await wait_run(client, run["id"], until=lambda r: r["progress"]["phase"] == "training")
+        await client.post(f"/v1/runs/{run['id']}/pause")
+        await wait_run(
+            client, run["id"], until=lambda r: r["current_jobs"] == [] and r["progress"]["step"]
+        )
+        engine = live.app.state.engine
+        async with engine.begin() as conn:
+            raw = (
+                await conn.execute(text("SELECT state FROM runs WHERE id = :id"), {"id": run["id"]})
+            ).scalar_one()
+            state = json.loads(raw) if isinstance(raw, str) else raw
+            assert state.pop("format") == 2
+            await conn.execute(
+                text("UPDATE runs SET state = :s, version = version + 1 WHERE id = :id"),
+                {"s": json_dumps(state), "id": run["id"]},
+            )
+        await client.post(f"/v1/runs/{run['id']}/resume")
+        final = await wait_run(client, run["id"])
+        metrics = await all_metrics(client, run["id"])
+        async with engine.connect() as conn:
+            raw = (
+                await conn.execute(text("SELECT state FROM runs WHERE id = :id"), {"id": run["id"]})
+            ).scalar_one()
+    assert final["status"] == "succeeded" and final["progress"]["step"] == 4
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert (json.loads(raw) if isinstance(raw, str) else raw)["format"] == 2

@@ -388,3 +388,165 @@ def _plan(words: Vocabulary, outcome: Outcome, attempt: int, now: datetime) -> _
 def _with(columns: JobUpdate, more: JobUpdate) -> JobUpdate:
     columns.update(more)
     return columns
+
+
+# -- runs -----------------------------------------------------------------------------------
+#
+# A run (kind `run`) has no lease: a driver advances it between its children, and routes
+# pause, resume and cancel it. Its status is its job row's, with `paused` (a column of its
+# `runs` row) read as a status of its own. Every change of it is planned here, from a
+# `RunMove`, into one `RunWrite` that `app.jobs.runs` applies under the run's version.
+#
+#   queued ──▶ running ◀──▶ paused          (pause / resume; a child under way finishes)
+#     │   └──────┐  │          │
+#     ▼          ▼  ▼          ▼
+#  cancelled   succeeded | failed | cancelled
+
+
+class RunStatus(enum.StrEnum):
+    queued = "queued"
+    running = "running"
+    paused = "paused"
+    succeeded = "succeeded"
+    failed = "failed"
+    cancelled = "cancelled"
+
+    @property
+    def is_final(self) -> bool:
+        return JobStatus(self.value).is_final if self is not RunStatus.paused else False
+
+
+RUN_TRANSITIONS: Mapping[RunStatus, frozenset[RunStatus]] = {
+    # A queued run can be paused: it starts paused and creates no child until resumed.
+    RunStatus.queued: frozenset({RunStatus.running, RunStatus.paused, RunStatus.cancelled}),
+    RunStatus.running: frozenset(
+        {RunStatus.paused, RunStatus.succeeded, RunStatus.failed, RunStatus.cancelled}
+    ),
+    # Paused, the child under way still ends: it can fail the run, or a cancel end it.
+    RunStatus.paused: frozenset(
+        {RunStatus.running, RunStatus.succeeded, RunStatus.failed, RunStatus.cancelled}
+    ),
+    RunStatus.succeeded: frozenset(),
+    RunStatus.failed: frozenset(),
+    RunStatus.cancelled: frozenset(),
+}
+
+
+def run_status(status: JobStatus, paused: bool) -> RunStatus:
+    """A run's lifecycle status from its job row's status and its `paused` flag."""
+    if paused and not status.is_final:
+        return RunStatus.paused
+    return RunStatus(status.value)
+
+
+class RunTransitionError(Exception):
+    """A move the run's lifecycle does not allow from where it is (a caller's bug, or a
+    route's conflict: a final run cannot be paused)."""
+
+
+@dataclass(frozen=True)
+class RunMetric:
+    """One point of a run's curves (`run_metrics`): a step's figures or a validation's."""
+
+    kind: str  # "step" | "validation"
+    step: int
+    data: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class RunMove:
+    """What one decision of a run's driver changes. `state`: the schedule's new state, as
+    stored; `start_step`: the model's step, when the run starts with this move; `ends`:
+    its final status (with `error` when it failed); `children`: jobs it enqueues (ones
+    that exist already are kept); `cancel`: children it cancels."""
+
+    state: dict[str, Any]
+    step: int
+    total_steps: int
+    start_step: int | None = None
+    ends: JobStatus | None = None
+    error: ErrorInfo | None = None
+    end_data: dict[str, Any] = field(default_factory=dict)
+    events: tuple[Event, ...] = ()
+    metrics: tuple[RunMetric, ...] = ()
+    children: tuple[NewJob, ...] = ()
+    cancel: tuple[str, ...] = ()
+    waiting_on: str | None = None
+
+
+@dataclass(frozen=True)
+class RunWrite:
+    """One guarded write of a run: its job row's columns, its `runs` row's, its events
+    (numbered by the store), its metrics, the children to enqueue and to cancel."""
+
+    status: RunStatus
+    job: dict[str, Any]
+    run: dict[str, Any]
+    events: tuple[Event, ...]
+    metrics: tuple[RunMetric, ...] = ()
+    children: tuple[NewJob, ...] = ()
+    cancel: tuple[str, ...] = ()
+
+
+def _check_run(current: RunStatus, target: RunStatus) -> None:
+    if target is not current and target not in RUN_TRANSITIONS[current]:
+        raise RunTransitionError(f"a {current.value} run cannot become {target.value}")
+
+
+def plan_run(current: RunStatus, move: RunMove, *, now: datetime) -> RunWrite:
+    """The write that applies a driver's `move` to a run that is `current`."""
+    if current.is_final:
+        raise RunTransitionError(f"run already {current.value}; it does not move")
+    status = current
+    job: dict[str, Any] = {
+        "progress_step": move.step,
+        "progress_total": move.total_steps,
+        "updated_at": now,
+    }
+    run: dict[str, Any] = {"state": move.state, "waiting_on": move.waiting_on}
+    events: list[Event] = []
+    if current is RunStatus.queued and move.start_step is None:
+        raise RunTransitionError("a queued run starts with the model's step")
+    if move.start_step is not None:
+        if current not in (RunStatus.queued, RunStatus.paused):
+            raise RunTransitionError(f"a {current.value} run cannot start")
+        target = RunStatus.paused if current is RunStatus.paused else RunStatus.running
+        _check_run(current, target)
+        status = target
+        job |= {"status": JobStatus.running, "started_at": now}
+        data = {"total_steps": move.total_steps, "start_step": move.start_step}
+        events.append((EventType.run_started, data))
+    events.extend(move.events)
+    if move.ends is not None:
+        target = RunStatus(move.ends.value)
+        _check_run(status, target)
+        status = target
+        job |= {"status": move.ends, "finished_at": now}
+        run["paused"] = False  # an ended run is not paused, whatever it was
+        events.append(_run_end_event(move))
+        if move.error is not None:
+            job["error"] = move.error
+    return RunWrite(status, job, run, tuple(events), move.metrics, move.children, move.cancel)
+
+
+def plan_pause(current: RunStatus, *, paused: bool, step: int) -> RunWrite | None:
+    """Pause or resume a run that is `current`; None: it already is as asked."""
+    if current.is_final:
+        verb = "paused" if paused else "resumed"
+        raise RunTransitionError(f"run already {current.value}; it cannot be {verb}")
+    if (current is RunStatus.paused) == paused:
+        return None
+    target = RunStatus.paused if paused else RunStatus.running
+    _check_run(current, target)
+    event = EventType.run_paused if paused else EventType.run_resumed
+    return RunWrite(target, {}, {"paused": paused}, ((event, {"step": step}),))
+
+
+def _run_end_event(move: RunMove) -> Event:
+    data = move.end_data
+    if move.ends is JobStatus.failed:
+        error = move.error or ErrorInfo(type="Failed", message="", transient=False)
+        return EventType.run_failed, {**data, "error": error}
+    if move.ends is JobStatus.cancelled:
+        return EventType.job_cancelled, {"while": "running", **data}
+    return EventType.run_ended, data

@@ -193,15 +193,36 @@ async def request_cancel(session: AsyncSession, job: JobRow) -> None:
     """Queued: cancelled now. Running: flagged; its worker interrupts it and applies the
     outcome. Caller holds the row (`FOR UPDATE`) in a write transaction and checked that
     the job is not final."""
-    if job.status == JobStatus.queued:
-        job.status = JobStatus.cancelled.value
-        job.finished_at = utcnow()
-        await session.flush()
-        await append_event(session, job.id, (EventType.job_cancelled, {"while": "queued"}))
-    elif not job.cancel_requested:
-        job.cancel_requested = True
-        await session.flush()
-        await append_event(session, job.id, (EventType.cancel_requested, {}))
+    await cancel_job_now(session, job.id)
+    await session.refresh(job)
+
+
+async def cancel_job_now(executor: Executor, job_id: str) -> None:
+    """The one way a job is asked to stop, for a route and for a run's driver alike:
+    queued, cancelled at once; running, flagged (its worker, or its run's driver, ends
+    it); final or gone, nothing. In the caller's write transaction."""
+    row = (
+        await executor.execute(
+            select(jobs.c.status, jobs.c.cancel_requested).where(jobs.c.id == job_id)
+        )
+    ).one_or_none()
+    if row is None or JobStatus(row.status).is_final:
+        return
+    if row.status == JobStatus.queued.value:
+        now = utcnow()
+        await executor.execute(
+            update(jobs)
+            .where(jobs.c.id == job_id, jobs.c.status == JobStatus.queued.value)
+            .values(status=JobStatus.cancelled.value, finished_at=now, updated_at=now)
+        )
+        await append_event(executor, job_id, (EventType.job_cancelled, {"while": "queued"}))
+    elif not row.cancel_requested:
+        await executor.execute(
+            update(jobs)
+            .where(jobs.c.id == job_id)
+            .values(cancel_requested=True, updated_at=utcnow())
+        )
+        await append_event(executor, job_id, (EventType.cancel_requested, {}))
 
 
 # -- the store ------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from app.backends import SPECS
 from app.db import begin_write, json_dumps
 from app.egress import EgressPolicy
 from app.errors import ConflictError, InvalidInputError, field_errors, format_path
+from app.jobs.exclusive import ensure_no_run
 from app.jobs.lifecycle import JobKind, NewJob
 from app.jobs.payloads import decompress
 from app.jobs.service import JobView, enqueue_once, job_fields, replay
@@ -146,6 +147,8 @@ async def create_rollout_job(
     else:
         payload = spec.encode(recipe, job.examples)
     await begin_write(session)
+    if recipe.train is not None:
+        await ensure_no_run(session, body.model, what="a rollout job that trains")
     new = new_job(
         JobKind.rollout,
         model=body.model,

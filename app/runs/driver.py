@@ -24,23 +24,25 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, cast
 
-from sqlalchemy import Table, and_, bindparam, insert, or_, select, update
+from sqlalchemy import Table, and_, bindparam, or_, select
 from sqlalchemy.ext.asyncio import AsyncConnection, async_sessionmaker
 
 from app.backends import Backends
 from app.datasets import THREAD_BYTES, load_splits
-from app.db import utcnow, write_connection
+from app.db import utcnow
 from app.errors import ProblemError
-from app.jobs.events import append_event
-from app.jobs.lifecycle import ErrorInfo, EventType, JobKind, JobStatus
+from app.jobs.lifecycle import JobKind, JobStatus, NewJob, RunMetric, RunMove, plan_run, run_status
 from app.jobs.payloads import Payload
+from app.jobs.runs import apply_move, model_step
 from app.jobs.statements import jobs
-from app.jobs.store import QueueStore, enqueue, new_job
+from app.jobs.store import QueueStore, new_job
 from app.models import RunMetricRow, RunRow
 from app.notify import Notifier
 from app.rollouts import spec as rollout_spec
 from app.runs import spec as run_spec
 from app.runs.schedule import Child, Create, Decision, Plan, child_id, decide, waiting_id
+from app.runs.state import RunState
+from app.runs.state import decode as decode_state
 from app.schemas.rollouts import RolloutSummary
 from app.settings import Settings
 
@@ -74,7 +76,7 @@ class RunDriver:
         self._loaded: OrderedDict[str, Loaded] = OrderedDict()
         self._sessions = async_sessionmaker(store.engine, expire_on_commit=False)
         self._pruning: dict[str, asyncio.Task[None]] = {}
-        self._prune_again: dict[str, tuple[dict[str, Any], bool]] = {}
+        self._prune_again: dict[str, tuple[RunState, bool]] = {}
 
     async def advance_all(self) -> int:
         """Advance every run with something to do; returns how many moves were made. One
@@ -108,8 +110,10 @@ class RunDriver:
             if JobStatus(run.status).is_final:
                 return False, False
             loaded = await self._load(conn, run_id)
-            state: dict[str, Any] = run.state
+            state = decode_state(run.state)
             children = await _children(conn, run_id, state)
+            starting = run.status == JobStatus.queued.value
+            start_step = await model_step(conn, run.model_name) if starting else None
         decision = decide(
             loaded.plan,
             run_id,
@@ -118,17 +122,21 @@ class RunDriver:
             paused=run.paused,
             cancel_requested=run.cancel_requested,
         )
-        starting = run.status == JobStatus.queued.value
         if not decision.changed and decision.state == state and not starting:
             return False, False
+        if start_step is not None:
+            decision.state.start_step = start_step
         prune = decision.prune and loaded.spec.checkpoints.prune
         if prune and decision.status is not None:
             # A run that ends has pruned first: what its owner lists once it has ended is
             # what it keeps. Idempotent: redone if the write below loses to another driver.
             await self._prune_now(run.model_name, decision.state, loaded.spec.checkpoints.keep_best)
+        move = self._move_of(run_id, run.model_name, decision, loaded, start_step)
+        current = run_status(JobStatus(run.status), run.paused)
+        write = plan_run(current, move, now=utcnow())
         seen = (run.status, run.cancel_requested)
-        written = await self._write(
-            run_id, run.model_name, run.version, seen, decision, loaded, starting
+        written = await apply_move(
+            self.store.engine, run_id, version=run.version, seen=seen, write=write
         )
         if not written:
             return False, True  # another driver moved it: decide again from its state
@@ -143,7 +151,39 @@ class RunDriver:
         ended = waiting in children and children[waiting].status.is_final
         return True, decision.status is None and (ended or starting)
 
-    def _prune_soon(self, model: str, state: dict[str, Any], keep_best: bool) -> None:
+    def _move_of(
+        self,
+        run_id: str,
+        model: str,
+        decision: Decision,
+        loaded: Loaded,
+        start_step: int | None,
+    ) -> RunMove:
+        """The lifecycle's view of a decision: what it writes, nothing written here."""
+        state = decision.state
+        end_data: dict[str, Any] = {}
+        if decision.status is not None:
+            end_data = {"step": state.step, "stop_reason": state.stop_reason, "best": state.best}
+        metrics = tuple(
+            RunMetric(m["kind"], m["step"], {**m["data"], "epoch": m["epoch"]})
+            for m in decision.metrics
+        )
+        return RunMove(
+            state=state.encode(),
+            step=state.step,
+            total_steps=state.total_steps,
+            start_step=start_step,
+            ends=decision.status,
+            error=decision.error,
+            end_data=end_data,
+            events=tuple(decision.events),
+            metrics=metrics,
+            children=tuple(self._child(run_id, model, c, loaded) for c in decision.create),
+            cancel=tuple(decision.cancel),
+            waiting_on=waiting_id(run_id, state),
+        )
+
+    def _prune_soon(self, model: str, state: RunState, keep_best: bool) -> None:
         """Prune in the background: the run's next child does not wait on the backend's
         deletions. One pruning per model at a time; a later one reads the newer state."""
         if model in self._pruning:
@@ -160,7 +200,7 @@ class RunDriver:
 
         self._pruning[model] = asyncio.create_task(prune(), name=f"prune:{model}")
 
-    async def _prune_now(self, model: str, state: dict[str, Any], keep_best: bool) -> None:
+    async def _prune_now(self, model: str, state: RunState, keep_best: bool) -> None:
         """Prune after any pruning of the model under way."""
         running = self._pruning.get(model)
         if running is not None:
@@ -175,99 +215,9 @@ class RunDriver:
             with contextlib.suppress(Exception):
                 await task
 
-    async def _write(
-        self,
-        run_id: str,
-        model: str,
-        version: int,
-        seen: tuple[str, bool],
-        decision: Decision,
-        loaded: Loaded,
-        starting: bool,
-    ) -> bool:
-        """Write `decision`, made from the run at `version` whose job row said `seen`
-        (status, cancel requested); False, and nothing written, if either has changed."""
-        now = utcnow()
-        state = decision.state
-        for metric in decision.metrics:
-            metric["seq"] = state["metric_seq"] = state.get("metric_seq", 0) + 1
-        async with write_connection(self.store.engine) as conn:
-            # The run's job row first, locked: the routes that change a run (cancel, pause)
-            # lock it before the run's row too, so the two never wait on each other. A
-            # cancel that came since the decision was made (a queued run cancelled at
-            # once) is not overwritten: the decision is made again.
-            now_seen = (
-                await conn.execute(
-                    select(jobs.c.status, jobs.c.cancel_requested)
-                    .where(jobs.c.id == run_id)
-                    .with_for_update()
-                )
-            ).one()
-            if tuple(now_seen) != seen:
-                await conn.rollback()
-                return False
-            if starting:
-                state.setdefault("start_step", await _model_step(conn, model))
-            moved = await conn.execute(
-                update(runs)
-                .where(runs.c.id == run_id, runs.c.version == version)
-                .values(
-                    state=state,
-                    version=version + 1,
-                    waiting_on=waiting_id(run_id, state),
-                    updated_at=now,
-                )
-            )
-            if moved.rowcount != 1:
-                await conn.rollback()
-                return False
-            if starting:
-                await conn.execute(
-                    update(jobs)
-                    .where(jobs.c.id == run_id)
-                    .values(status=JobStatus.running.value, started_at=now, updated_at=now)
-                )
-                data = {"total_steps": state["total_steps"], "start_step": state["start_step"]}
-                await append_event(conn, run_id, (EventType.run_started, data))
-            for create in decision.create:
-                await self._create(conn, run_id, model, create, loaded)
-            for target in decision.cancel:
-                await _cancel_child(conn, target)
-            for metric in decision.metrics:
-                data = {**metric["data"], "epoch": metric["epoch"]}
-                await conn.execute(
-                    insert(run_metrics).values(
-                        run_id=run_id,
-                        seq=metric["seq"],
-                        kind=metric["kind"],
-                        step=metric["step"],
-                        data=data,
-                        created_at=now,
-                    )
-                )
-            for type_, data in decision.events:
-                await append_event(conn, run_id, (type_, data))
-            columns: dict[str, Any] = {
-                "progress_step": state["step"],
-                "progress_total": state["total_steps"],
-                "updated_at": now,
-            }
-            if decision.status is not None:
-                columns |= {"status": decision.status.value, "finished_at": now}
-                await append_event(conn, run_id, _end_event(decision, state))
-                if decision.error is not None:
-                    columns["error"] = decision.error
-            await conn.execute(update(jobs).where(jobs.c.id == run_id).values(columns))
-        return True
-
-    async def _create(
-        self, conn: AsyncConnection, run_id: str, model: str, create: Create, loaded: Loaded
-    ) -> None:
-        """Insert a child job, unless it exists (a decision taken again)."""
+    def _child(self, run_id: str, model: str, create: Create, loaded: Loaded) -> NewJob:
+        """The child job a decision creates (its id is the same every time it is asked)."""
         job_id = child_id(run_id, create.role, create.step)
-        exists = await conn.scalar(select(jobs.c.id).where(jobs.c.id == job_id))
-        if exists is not None:
-            return
         spec = loaded.spec
         labels = {"run": run_id, "run_step": create.step, "run_role": create.role}
         if create.role == "validation":
@@ -291,7 +241,7 @@ class RunDriver:
             num_generations=recipe.num_generations,
             num_samples=len(examples) * recipe.num_generations,
         )
-        new = new_job(
+        return new_job(
             JobKind.rollout,
             job_id=job_id,
             model=model,
@@ -303,7 +253,6 @@ class RunDriver:
             max_attempts=self.settings.max_attempts,
             queued_event={"run": run_id, "step": create.step, "role": create.role},
         )
-        await enqueue(conn, new)
 
     async def _load(self, conn: AsyncConnection, run_id: str) -> Loaded:
         loaded = self._loaded.get(run_id)
@@ -338,15 +287,15 @@ class RunDriver:
             self._loaded.popitem(last=False)
         return loaded
 
-    async def _prune(self, model: str, state: dict[str, Any], keep_best: bool) -> None:
+    async def _prune(self, model: str, state: RunState, keep_best: bool) -> None:
         """Delete the run's checkpoints but the best and the latest, through the registry
         (which keeps an aliased or in-use step); idempotent."""
         from app.checkpoints import service as checkpoints
 
         keep = set()
-        if keep_best and state.get("best"):
-            keep.add(int(state["best"]["step"]))
-        first = int(state.get("start_step") or 0)
+        if keep_best and state.best:
+            keep.add(int(state.best["step"]))
+        first = int(state.start_step or 0)
         try:
             async with self._sessions() as session:
                 listed, _ = await checkpoints.list_checkpoints(
@@ -371,13 +320,6 @@ class RunDriver:
                         log.debug("model %s: step %s kept: %s", model, step, exc)
         except ProblemError as exc:  # the backend keeps no checkpoints here
             log.debug("model %s: no checkpoints to prune: %s", model, exc)
-
-
-async def _model_step(conn: AsyncConnection, model: str) -> int:
-    from app.jobs.statements import models
-
-    step = await conn.scalar(select(models.c.current_step).where(models.c.name == model))
-    return int(step or 0)
 
 
 _child_jobs = jobs.alias("child")
@@ -426,12 +368,12 @@ _CHILD_COLUMNS = (
 )
 
 
-async def _children(conn: AsyncConnection, run_id: str, state: dict[str, Any]) -> dict[str, Child]:
+async def _children(conn: AsyncConnection, run_id: str, state: RunState) -> dict[str, Child]:
     """The child the state waits on, and the rollouts of the next two steps (one may have
     been started early, off-policy)."""
     wanted = {
-        child_id(run_id, "rollout", state["step"] + 1),
-        child_id(run_id, "rollout", state["step"] + 2),
+        child_id(run_id, "rollout", state.step + 1),
+        child_id(run_id, "rollout", state.step + 2),
     }
     waiting = waiting_id(run_id, state)
     if waiting is not None:
@@ -460,35 +402,3 @@ def _seconds(start: datetime | None, end: datetime | None) -> float | None:
     if start is None or end is None:
         return None
     return round((end - start).total_seconds(), 3)
-
-
-async def _cancel_child(conn: AsyncConnection, job_id: str) -> None:
-    """As `request_cancel` does for a job: queued, cancelled now; running, flagged."""
-    row = (
-        await conn.execute(
-            select(jobs.c.status, jobs.c.cancel_requested).where(jobs.c.id == job_id)
-        )
-    ).one_or_none()
-    if row is None or JobStatus(row.status).is_final:
-        return
-    if row.status == JobStatus.queued.value:
-        await conn.execute(
-            update(jobs)
-            .where(jobs.c.id == job_id, jobs.c.status == JobStatus.queued.value)
-            .values(status=JobStatus.cancelled.value, finished_at=utcnow())
-        )
-        await append_event(conn, job_id, (EventType.job_cancelled, {"while": "queued"}))
-    elif not row.cancel_requested:
-        await conn.execute(update(jobs).where(jobs.c.id == job_id).values(cancel_requested=True))
-        await append_event(conn, job_id, (EventType.cancel_requested, {}))
-
-
-def _end_event(decision: Decision, state: dict[str, Any]) -> tuple[EventType, dict[str, Any]]:
-    status = decision.status
-    data = {"step": state["step"], "stop_reason": state["stop_reason"], "best": state["best"]}
-    if status is JobStatus.failed:
-        error = decision.error or ErrorInfo(type="Failed", message="", transient=False)
-        return EventType.run_failed, {**data, "error": error}
-    if status is JobStatus.cancelled:
-        return EventType.job_cancelled, {"while": "running", **data}
-    return EventType.run_ended, data

@@ -22,11 +22,11 @@ import copy
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from app.jobs.lifecycle import ErrorInfo, EventType, JobStatus
+from app.runs.state import Role, RunState
 
-Role = Literal["rollout", "training", "validation"]
 ROLE_LETTER: dict[Role, str] = {"rollout": "r", "training": "t", "validation": "v"}
 
 
@@ -99,33 +99,21 @@ def learning_rate(plan: Plan, step: int, total: int) -> float | None:
     return plan.lr * (min_ratio + (1.0 - min_ratio) * factor)
 
 
-def initial_state(plan: Plan) -> dict[str, Any]:
+def initial_state(plan: Plan) -> RunState:
     active = list(range(plan.num_train))
-    return {
-        "step": 0,  # steps trained
-        "epoch": 0,  # 0-based epoch of the next step
-        "epochs": plan.epochs,
-        "epoch_start": 0,  # steps trained before this epoch
-        "order": epoch_order(active, plan.seed, 0),
-        "excluded": [],  # by the curriculum, for later epochs
-        "uniform": {},  # example index -> epochs in a row its group was all one reward
-        "total_steps": total_steps(plan, epoch=0, epoch_start=0, active=len(active)),
-        "phase": "validation" if plan.validate_every else "rollout",
-        "waiting": None,  # [role, step] of the child the run waits on
-        "validations": 0,
-        "sampled": {},  # step -> its rollout's figures, until its training ends
-        "best": None,  # {"step", "score"}
-        "reference": None,  # best score for patience (improved by min_delta)
-        "since_best": 0,
-        "stop_reason": None,
-    }
+    return RunState(
+        epochs=plan.epochs,
+        order=epoch_order(active, plan.seed, 0),
+        total_steps=total_steps(plan, epoch=0, epoch_start=0, active=len(active)),
+        phase="validation" if plan.validate_every else "rollout",
+    )
 
 
-def batch(plan: Plan, state: dict[str, Any], step: int) -> list[int]:
+def batch(plan: Plan, state: RunState, step: int) -> list[int]:
     """The train examples of step `step` (1-based), which belongs to the current epoch."""
-    position = step - 1 - state["epoch_start"]
+    position = step - 1 - state.epoch_start
     per = plan.examples_per_step
-    order: list[int] = state["order"]
+    order: list[int] = state.order
     return order[position * per : (position + 1) * per]
 
 
@@ -158,7 +146,7 @@ class Create:
 class Decision:
     """What to write. `state`: the new state; `status`: the run's new status (None: as is)."""
 
-    state: dict[str, Any]
+    state: RunState
     create: list[Create] = field(default_factory=list)
     cancel: list[str] = field(default_factory=list)  # child ids to cancel
     metrics: list[dict[str, Any]] = field(default_factory=list)  # kind, step, epoch, data
@@ -174,17 +162,17 @@ class Decision:
         )
 
 
-def waiting_id(run_id: str, state: dict[str, Any]) -> str | None:
-    if state["waiting"] is None:
+def waiting_id(run_id: str, state: RunState) -> str | None:
+    if state.waiting is None:
         return None
-    role, step = state["waiting"]
+    role, step = state.waiting
     return child_id(run_id, role, step)
 
 
 def decide(
     plan: Plan,
     run_id: str,
-    state: dict[str, Any],
+    state: RunState,
     children: dict[str, Child],
     *,
     paused: bool,
@@ -204,8 +192,8 @@ def decide(
                 # A step that landed counts; a rollout's training job is cancelled next.
                 _take(plan, run_id, new, child, decision, cancel_requested=True)
             else:
-                new["waiting"] = None
-        if not working and new["waiting"] is None:
+                new.waiting = None
+        if not working and new.waiting is None:
             _end(new, decision, JobStatus.cancelled, "cancelled")
         return decision
     waiting = waiting_id(run_id, state)
@@ -217,7 +205,7 @@ def decide(
         if decision.status is not None:
             decision.cancel = [c.id for c in working]
             return decision
-    if new["waiting"] is not None or paused:
+    if new.waiting is not None or paused:
         return decision  # a training job is next (its rollout enqueued it), or paused
     _next(plan, run_id, new, children, decision)
     return decision
@@ -226,15 +214,16 @@ def decide(
 def _take(
     plan: Plan,
     run_id: str,
-    state: dict[str, Any],
+    state: RunState,
     child: Child,
     decision: Decision,
     *,
     cancel_requested: bool,
 ) -> None:
-    """Fold a finished child into the state."""
-    role, step = state["waiting"]
-    state["waiting"] = None
+    """Fold a finished child into the state (the child it waits on)."""
+    assert state.waiting is not None
+    role, step = state.waiting
+    state.waiting = None
     if child.status is not JobStatus.succeeded:
         error = child.error or {}
         message = f"{role} job {child.id} {child.status.value}"
@@ -249,47 +238,45 @@ def _take(
             message = f"rollout job {child.id} enqueued no training job"
             decision.error = ErrorInfo(type="ChildJobFailed", message=message, transient=False)
             return
-        state["waiting"] = ["training", step]
-        state["phase"] = "training"
-        state.setdefault("sampled", {})[str(step)] = _rollout_figures(child)
+        state.waiting = ("training", step)
+        state.phase = "training"
+        state.sampled[str(step)] = _rollout_figures(child)
         _curriculum_note(plan, state, step, child)
         if plan.off_policy and not cancel_requested:
             _prefetch(plan, run_id, state, step, decision)
         return
     if role == "training":
-        state["step"] = step
-        sampled = state.get("sampled", {}).pop(str(step), {})
+        state.step = step
+        sampled = state.sampled.pop(str(step), {})
         data = {**sampled, **_training_figures(child)}
         decision.metrics.append(
-            {"kind": "step", "step": step, "epoch": state["epoch"] + 1, "data": data}
+            {"kind": "step", "step": step, "epoch": state.epoch + 1, "data": data}
         )
         progress = {
             "step": step,
-            "total_steps": state["total_steps"],
-            "epoch": state["epoch"] + 1,
+            "total_steps": state.total_steps,
+            "epoch": state.epoch + 1,
             "reward_mean": data.get("reward_mean"),
             "loss": data.get("loss"),
         }
         decision.events.append((EventType.run_step, progress))
-        state["phase"] = "rollout"
-        if plan.validate_every and (
-            step % plan.validate_every == 0 or step >= state["total_steps"]
-        ):
-            state["phase"] = "validation"
+        state.phase = "rollout"
+        if plan.validate_every and (step % plan.validate_every == 0 or step >= state.total_steps):
+            state.phase = "validation"
         return
     # validation
     score = (child.metrics or {}).get("mean_reward")
     sampled_step = child.start_step if child.start_step is not None else step
-    state["validations"] += 1
-    best = state["best"]
+    state.validations += 1
+    best = state.best
     improved = score is not None and (best is None or score > best["score"])
     if improved:
-        state["best"] = {"step": sampled_step, "score": score}
-    reference = state["reference"]
+        state.best = {"step": sampled_step, "score": score}
+    reference = state.reference
     if score is not None and (reference is None or score > reference + plan_min_delta(plan)):
-        state["reference"], state["since_best"] = score, 0
-    elif state["validations"] > 1:
-        state["since_best"] += 1
+        state.reference, state.since_best = score, 0
+    elif state.validations > 1:
+        state.since_best += 1
     data = {
         "score": score,
         "reward_mean": score,
@@ -302,11 +289,11 @@ def _take(
         {"kind": "validation", "step": sampled_step, "epoch": None, "data": data}
     )
     decision.events.append(
-        (EventType.run_validated, {"step": sampled_step, "score": score, "best": state["best"]})
+        (EventType.run_validated, {"step": sampled_step, "score": score, "best": state.best})
     )
     decision.prune = True
-    state["phase"] = "rollout"
-    if plan.early_stopping and state["since_best"] >= plan.early_stopping[0]:
+    state.phase = "rollout"
+    if plan.early_stopping and state.since_best >= plan.early_stopping[0]:
         _end(state, decision, JobStatus.succeeded, "early_stopping")
 
 
@@ -344,89 +331,85 @@ def _training_figures(child: Child) -> dict[str, Any]:
     }
 
 
-def _curriculum_note(plan: Plan, state: dict[str, Any], step: int, child: Child) -> None:
+def _curriculum_note(plan: Plan, state: RunState, step: int, child: Child) -> None:
     """Count, per example of the step, epochs in a row its group was all one reward."""
     if plan.curriculum is None:
         return
     uniform = {str(i) for i in (child.metrics or {}).get("untrainable_groups") or []}
     for index in batch(plan, state, step):
         key = str(index)
-        state["uniform"][key] = state["uniform"].get(key, 0) + 1 if key in uniform else 0
+        state.uniform[key] = state.uniform.get(key, 0) + 1 if key in uniform else 0
 
 
-def _prefetch(
-    plan: Plan, run_id: str, state: dict[str, Any], step: int, decision: Decision
-) -> None:
+def _prefetch(plan: Plan, run_id: str, state: RunState, step: int, decision: Decision) -> None:
     """Off-policy: the next step's rollout starts while this step's training waits."""
     following = step + 1
-    if following > state["total_steps"]:
+    if following > state.total_steps:
         return
     if plan.validate_every and step % plan.validate_every == 0:
         return  # validation comes first
-    if following - 1 - state["epoch_start"] >= epoch_steps(
-        len(state["order"]), plan.examples_per_step
-    ):
+    if following - 1 - state.epoch_start >= epoch_steps(len(state.order), plan.examples_per_step):
         return  # a new epoch: its order waits for this epoch's curriculum counts
     decision.create.append(
         Create("rollout", following, batch(plan, state, following), _lr(plan, state, following))
     )
 
 
-def _lr(plan: Plan, state: dict[str, Any], step: int) -> float | None:
-    return learning_rate(plan, step, state["total_steps"])
+def _lr(plan: Plan, state: RunState, step: int) -> float | None:
+    return learning_rate(plan, step, state.total_steps)
 
 
 def _next(
     plan: Plan,
     run_id: str,
-    state: dict[str, Any],
+    state: RunState,
     children: dict[str, Child],
     decision: Decision,
 ) -> None:
     """Nothing to wait on: start the next child, or end the run."""
-    if state["phase"] == "validation":
-        validated = state["step"]
-        state["waiting"] = ["validation", validated]
+    if state.phase == "validation":
+        validated = state.step
+        state.waiting = ("validation", validated)
         decision.create.append(Create("validation", validated))
         return
-    step = state["step"] + 1
-    if step > state["total_steps"]:
+    step = state.step + 1
+    if step > state.total_steps:
         _end(state, decision, JobStatus.succeeded, "completed")
         decision.prune = True
         return
-    if step - 1 - state["epoch_start"] >= epoch_steps(len(state["order"]), plan.examples_per_step):
+    if step - 1 - state.epoch_start >= epoch_steps(len(state.order), plan.examples_per_step):
         _new_epoch(plan, state, step - 1)
-        if step > state["total_steps"]:
+        if step > state.total_steps:
             _end(state, decision, JobStatus.succeeded, "completed")
             decision.prune = True
             return
-    state["waiting"] = ["rollout", step]
-    state["phase"] = "rollout"
+    state.waiting = ("rollout", step)
+    state.phase = "rollout"
     if child_id(run_id, "rollout", step) not in children:
         decision.create.append(
             Create("rollout", step, batch(plan, state, step), _lr(plan, state, step))
         )
 
 
-def _new_epoch(plan: Plan, state: dict[str, Any], trained: int) -> None:
-    state["epoch"] += 1
-    state["epoch_start"] = trained
+def _new_epoch(plan: Plan, state: RunState, trained: int) -> None:
+    state.epoch += 1
+    state.epoch_start = trained
     if plan.curriculum is not None:
         patience, floor = plan.curriculum
-        done = {int(k) for k, n in state["uniform"].items() if n >= patience}
+        done = {int(k) for k, n in state.uniform.items() if n >= patience}
         active = [i for i in range(plan.num_train) if i not in done]
         if len(active) >= floor:
-            state["excluded"] = sorted(done)
-    excluded = set(state["excluded"])
+            state.excluded = sorted(done)
+    excluded = set(state.excluded)
     active = [i for i in range(plan.num_train) if i not in excluded]
-    state["order"] = epoch_order(active, plan.seed, state["epoch"])
-    state["total_steps"] = total_steps(
-        plan, epoch=state["epoch"], epoch_start=trained, active=len(active)
+    state.order = epoch_order(active, plan.seed, state.epoch)
+    state.total_steps = total_steps(
+        plan, epoch=state.epoch, epoch_start=trained, active=len(active)
     )
 
 
-def _end(state: dict[str, Any], decision: Decision, status: JobStatus, reason: str) -> None:
-    state["phase"] = "done"
-    state["waiting"] = None
-    state["stop_reason"] = reason
+def _end(state: RunState, decision: Decision, status: JobStatus, reason: str) -> None:
+    state.phase = "done"
+    state.waiting = None
+    state.stop_reason = reason
     decision.status = status

@@ -23,14 +23,16 @@ from app.datasets import decode_splits, get_dataset
 from app.db import Reader, begin_write, utcnow
 from app.egress import EgressPolicy
 from app.errors import ConflictError, InvalidInputError, NotFoundError, field_errors
-from app.jobs.events import append_event
-from app.jobs.lifecycle import EventType, JobKind, JobStatus
+from app.jobs.exclusive import ensure_model_free
+from app.jobs.lifecycle import JobKind, JobStatus, RunTransitionError, plan_pause, run_status
+from app.jobs.runs import apply_pause
 from app.jobs.service import enqueue_once, get_job, replay
 from app.jobs.store import new_job
 from app.models import JobRow, ModelRow, RunMetricRow, RunRow
 from app.rollouts.graders import NEEDS_EXPECTED
 from app.runs import spec
 from app.runs.schedule import initial_state, waiting_id
+from app.runs.state import decode as decode_state
 from app.schemas.jobs import JobError
 from app.schemas.rollouts import refused_destinations
 from app.schemas.runs import (
@@ -158,6 +160,7 @@ async def create_run(
     else:
         hyperparameters, bad = hyperparameters_of(model.backend, body.hyperparameters)
         errors += bad
+        await ensure_model_free(session, model.name)
     policy = EgressPolicy.from_settings(settings)
     errors += refused_destinations(body.recipe.agent, body.recipe.grader, policy, at=("recipe",))
     splits, ref = await _examples(session, body, errors)
@@ -202,7 +205,11 @@ async def create_run(
         return row, True
     session.add(
         RunRow(
-            id=run_id, version=0, paused=False, state=initial_state(stored.plan()), waiting_on=None
+            id=run_id,
+            version=0,
+            paused=False,
+            state=initial_state(stored.plan()).encode(),
+            waiting_on=None,
         )
     )
     await session.flush()
@@ -234,16 +241,13 @@ async def set_paused(session: AsyncSession, run_id: str, *, paused: bool) -> tup
     """Pause: no new child job starts (the one under way finishes). Resume: go on."""
     await begin_write(session)
     job, run = await get_run(session, run_id, for_update=True)
-    status = JobStatus(job.status)
-    if status.is_final:
-        verb = "paused" if paused else "resumed"
-        raise ConflictError(f"run {run_id} already {status.value}; it cannot be {verb}")
-    if run.paused != paused:
-        run.paused = paused
-        run.version += 1
-        event = EventType.run_paused if paused else EventType.run_resumed
-        await session.flush()
-        await append_event(session, run_id, (event, {"step": run.state.get("step", 0)}))
+    current = run_status(JobStatus(job.status), run.paused)
+    try:
+        write = plan_pause(current, paused=paused, step=decode_state(run.state).step)
+    except RunTransitionError as exc:
+        raise ConflictError(f"run {run_id}: {exc}") from exc
+    if write is not None:
+        await apply_pause(session, run, write)
     return job, run
 
 
@@ -300,36 +304,35 @@ async def metrics(
 
 
 def to_wire(job: JobRow, run: RunRow) -> Run:
-    state: dict[str, Any] = run.state or {}
+    state = decode_state(run.state)
     status = JobStatus(job.status)
-    step, total = int(state.get("step", 0)), int(state.get("total_steps", 0))
-    phase = state.get("phase", "rollout")
+    step, total = state.step, state.total_steps
+    phase: str = state.phase
     if status is JobStatus.queued:
         phase = "queued"
     elif status.is_final:
         phase = "done"
     elif run.paused:
         phase = "paused"
-    best = state.get("best")
+    best = state.best
     waiting = waiting_id(job.id, state) if not status.is_final else None
     return Run(
         id=job.id,
         model=job.model_name,
         status=status,
-        paused=run.paused,
+        paused=run.paused and not status.is_final,  # a run that ended is not paused
         progress=RunProgress(
             step=step,
             total_steps=total,
-            epoch=int(state.get("epoch", 0)) + 1 if job.started_at else 0,
-            epochs=state.get("epochs"),
+            epoch=state.epoch + 1 if job.started_at else 0,
+            epochs=state.epochs,
             percent=round(100.0 * step / total, 2) if total else 0.0,
             phase=phase,
             eta_seconds=_eta(job.started_at, step, total, status),
         ),
         best_checkpoint=BestCheckpoint(**best) if best else None,
         # A run cancelled before it started never had a driver write its reason.
-        stop_reason=state.get("stop_reason")
-        or ("cancelled" if status is JobStatus.cancelled else None),
+        stop_reason=state.stop_reason or ("cancelled" if status is JobStatus.cancelled else None),
         current_jobs=[waiting] if waiting else [],
         error=JobError.model_validate(job.error) if job.error else None,
         metadata=job.meta,

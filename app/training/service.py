@@ -14,6 +14,7 @@ from app import jsontext
 from app.backends import SPECS
 from app.db import begin_write
 from app.errors import InvalidInputError, field_errors, format_path
+from app.jobs.exclusive import ensure_no_run
 from app.jobs.lifecycle import JobKind, JobStatus
 from app.jobs.payloads import Payload
 from app.jobs.service import JobView, enqueue_once, get_job, job_fields, replay
@@ -322,6 +323,7 @@ async def create_training_job(
     if errors:
         raise _invalid(f"{len(errors)} problem(s) in the request; nothing was stored", errors)
     assert model is not None and job.payload is not None
+    await ensure_no_run(session, model.name, what="a training job")
     new = new_job(
         JobKind.training,
         model=model.name,

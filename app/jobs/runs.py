@@ -1,0 +1,112 @@
+"""The database side of a run's lifecycle: the only code that writes a run's status, its
+state or its events, and its children's cancellation.
+
+A run's driver decides (`app.runs.schedule`), `app.jobs.lifecycle.plan_run` turns the
+decision into a `RunWrite`, and `apply_move` writes it in one transaction guarded twice:
+by the run's `version` (two drivers that decide at once cannot both write: the second
+matches no row and decides again) and by what the driver saw of the run's job row
+(a cancel that came since is not overwritten). Routes pause and resume through
+`apply_pause`, inside their own transaction, under the same version.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+from sqlalchemy import Table, insert, select, update
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
+
+from app.db import write_connection
+from app.jobs.events import append_event
+from app.jobs.lifecycle import RunWrite
+from app.jobs.statements import jobs
+from app.jobs.store import cancel_job_now, enqueue
+from app.models import RunMetricRow, RunRow
+
+runs = cast(Table, RunRow.__table__)
+run_metrics = cast(Table, RunMetricRow.__table__)
+
+
+async def apply_move(
+    engine: AsyncEngine,
+    run_id: str,
+    *,
+    version: int,
+    seen: tuple[str, bool],
+    write: RunWrite,
+) -> bool:
+    """Write `write`, planned from the run at `version` whose job row said `seen` (status,
+    cancel requested); False, and nothing written, if either has changed since."""
+    async with write_connection(engine) as conn:
+        # The job row first, locked: the routes that change a run (cancel, pause) lock it
+        # before the run's row too, so the two never wait on each other.
+        now_seen = (
+            await conn.execute(
+                select(jobs.c.status, jobs.c.cancel_requested)
+                .where(jobs.c.id == run_id)
+                .with_for_update()
+            )
+        ).one()
+        if tuple(now_seen) != seen:
+            await conn.rollback()
+            return False
+        state = dict(write.run.get("state") or {})
+        seq = int(state.get("metric_seq") or 0)
+        moved = await conn.execute(
+            update(runs)
+            .where(runs.c.id == run_id, runs.c.version == version)
+            .values(
+                {
+                    **write.run,
+                    "state": {**state, "metric_seq": seq + len(write.metrics)},
+                    "version": version + 1,
+                    "updated_at": write.job.get("updated_at"),
+                }
+            )
+        )
+        if moved.rowcount != 1:
+            await conn.rollback()
+            return False
+        for child in write.children:
+            if await conn.scalar(select(jobs.c.id).where(jobs.c.id == child.id)) is None:
+                await enqueue(conn, child)  # a decision taken again finds it made
+        for target in write.cancel:
+            await cancel_job_now(conn, target)
+        for offset, metric in enumerate(write.metrics, start=1):
+            await conn.execute(
+                insert(run_metrics).values(
+                    run_id=run_id,
+                    seq=seq + offset,
+                    kind=metric.kind,
+                    step=metric.step,
+                    data=metric.data,
+                    created_at=write.job.get("updated_at"),
+                )
+            )
+        for event in write.events:
+            await append_event(conn, run_id, event)
+        await conn.execute(update(jobs).where(jobs.c.id == run_id).values(_columns(write)))
+    return True
+
+
+async def apply_pause(session: AsyncSession, run: RunRow, write: RunWrite) -> None:
+    """Pause or resume, in the caller's write transaction, which holds the run's job row
+    and `runs` row locked (`FOR UPDATE`)."""
+    for key, value in write.run.items():
+        setattr(run, key, value)
+    run.version += 1
+    await session.flush()
+    for event in write.events:
+        await append_event(session, run.id, event)
+
+
+def _columns(write: RunWrite) -> dict[str, Any]:
+    return {key: getattr(value, "value", value) for key, value in write.job.items()}
+
+
+async def model_step(conn: AsyncConnection, model: str) -> int:
+    """The model's step as recorded: where a run that starts now starts from."""
+    from app.jobs.statements import models
+
+    step = await conn.scalar(select(models.c.current_step).where(models.c.name == model))
+    return int(step or 0)
