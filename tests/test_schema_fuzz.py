@@ -225,13 +225,14 @@ def seed(client: httpx.Client, data_dir: Path) -> Seeded:
     """Models on three backends, and jobs queued, running, succeeded, failed, cancelled."""
     seeded = Seeded()
 
-    def model(name: str, backend: str = "dry-run", **config: Any) -> None:
+    def model(name: str, backend: str = "dry-run", listed: bool = True, **config: Any) -> None:
         body = factories.model_body(name, backend, **config)
         if backend == "cpu":  # loads from the disk: a path under the data directory
             body["base_model"] = str((data_dir / "models" / "base").absolute())
         response = client.post("/v1/models", json=body)
         assert response.status_code == 201, response.text
-        seeded.models.append(name)
+        if listed:  # the fuzzer's dictionary (deterministic: its draws follow the list)
+            seeded.models.append(name)
 
     def training(model: str, **body: Any) -> str:
         payload = {"model": model, **body}
@@ -290,7 +291,7 @@ def seed(client: httpx.Client, data_dir: Path) -> Seeded:
     seeded.training_jobs.append(job["training_job_id"])  # the rollout enqueued it
     _wait(client, held, {"running"})
 
-    # A dataset, a run that ends and one that waits (its rollout queues behind `held`).
+    # A dataset, a run that ends, a paused one and two that go on.
     lines = [
         {"id": i, "messages": [{"role": "user", "content": "yes?"}], "expected": "yes", "split": s}
         for i, s in enumerate(["train", "train", "validation"])
@@ -323,8 +324,12 @@ def seed(client: httpx.Client, data_dir: Path) -> Seeded:
     # fuzzer may cancel (last).
     paused = run("fuzz-runs", steps=10_000)
     assert client.post(f"{paused}/pause").status_code == 200
-    run("fuzz-served", steps=10_000)
-    run("fuzz-served", steps=10_000)
+    # One active run per model, and none beside a training job (the one `finished`
+    # enqueued on `fuzz-served` waits behind `held`): the last two on models of their own.
+    model("fuzz-runs-2", "cpu", listed=False)
+    model("fuzz-runs-3", "cpu", listed=False)
+    run("fuzz-runs-2", steps=10_000)
+    run("fuzz-runs-3", steps=10_000)
     # The documented example of a run names the model `demo`.
     model("demo", "cpu")
 
@@ -335,11 +340,12 @@ def seed(client: httpx.Client, data_dir: Path) -> Seeded:
     assert {e[-1]["metadata"]["finish_reason"] for e in episodes} == {"stop"}
 
     # Each documented request example is a valid request, given a model it suits.
+    model("fuzz-sampled", "cpu", listed=False)
     document = client.get("/openapi.json").json()
     for path, suits in [
         ("/v1/models", None),
         ("/v1/training-jobs", "fuzz-dry"),
-        ("/v1/rollout-jobs", "fuzz-served"),
+        ("/v1/rollout-jobs", "fuzz-sampled"),  # it trains: a model no run owns
         ("/v1/runs", "demo"),
     ]:
         ref = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]
