@@ -28,13 +28,18 @@ import ssl
 import zlib
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import httpcore
 import httpx
 
-if TYPE_CHECKING:
-    from app.settings import Settings
+
+class EgressSettings(Protocol):
+    """What a policy is built from (`app.settings.Settings` is one)."""
+
+    egress_allow: list[str]
+    egress_deny: list[str]
+
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -225,7 +230,7 @@ class EgressPolicy:
         return cls(Rule.parse(allow), Rule.parse(deny))
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> EgressPolicy:
+    def from_settings(cls, settings: EgressSettings) -> EgressPolicy:
         return _cached_policy(tuple(settings.egress_allow), tuple(settings.egress_deny))
 
     def refuse_name(self, host: str) -> str | None:

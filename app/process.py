@@ -18,11 +18,11 @@ from app.gateway import Gateway
 from app.jobs.store import QueueStore, store_for
 from app.migrate import migrate
 from app.notify import Notifier
-from app.services.demo import ensure_demo_model
+from app.registry.demo import ensure_demo_model
 from app.settings import Settings
 
 if TYPE_CHECKING:
-    from app.jobs.worker import Worker
+    from app.worker import Worker
 
 SWITCH_INTERVAL = 0.0005
 """Seconds a thread holding the GIL runs before it hands the GIL to a thread that asks.
@@ -80,7 +80,7 @@ class Process:
             # Only a process that runs jobs loads the runners and the training stack, before
             # it serves or claims anything (in a thread: the start waits, nothing else does).
             from app.backends import load_training_stack
-            from app.jobs.worker import Worker
+            from app.worker import Worker
 
             await asyncio.to_thread(load_training_stack)
             # The training stack is some 510,000 objects that live as long as the process:

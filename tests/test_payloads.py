@@ -16,13 +16,13 @@ from app.jobs import payloads
 from app.jobs.lifecycle import JobStatus, Released
 from app.jobs.payloads import Payload, UnknownPayloadFormat
 from app.jobs.store import store_for
-from app.jobs.worker import Worker
 from app.migrate import current_revision, head_revision, migrate
 from app.models import JobEventRow, JobRow
 from app.notify import Notifier
 from app.rollouts import spec as rollout_spec
 from app.settings import Settings
 from app.training import spec as training_spec
+from app.worker import Worker
 from tests import factories as f
 from tests.backends import RecordingBackend
 

@@ -22,12 +22,12 @@ from app.backends.tiny_model import make_tiny_model
 from app.db import create_engine, create_sessionmaker
 from app.jobs.payloads import Payload
 from app.models import JobEventRow, JobRow, RunMetricRow, WorkerRow
+from app.registry.models import create_model
 from app.rollouts import spec as rollout_spec
 from app.runs import service as runs
 from app.runs.schedule import epoch_order
 from app.schemas.models import ModelCreate
 from app.schemas.runs import RunCreate
-from app.services.models import create_model
 from app.settings import Settings
 from tests.processes import start_worker, stop, until
 

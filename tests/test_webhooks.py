@@ -20,10 +20,10 @@ from standardwebhooks.webhooks import WebhookVerificationError
 
 from app.db import create_engine, utcnow, write_connection
 from app.jobs.lifecycle import ErrorInfo, EventType, Failed, JobKind, JobStatus, Succeeded
+from app.jobs.outbox import WebhookEventType, reported, webhook_type
 from app.jobs.store import store_for
 from app.models import JobEventRow
 from app.schemas.webhooks import EventTypeName
-from app.webhooks.outbox import WebhookEventType, reported, webhook_type
 from app.webhooks.sender import WebhookSender, new_secret, sign, signatures
 from tests.conftest import LiveServer
 from tests.factories import create_model, submit
@@ -358,7 +358,7 @@ async def store(database_url: str) -> Any:
 
 
 async def _endpoint(store: Any, types: list[str], *, enabled: bool = True) -> str:
-    from app.webhooks.outbox import endpoints, subscriptions
+    from app.jobs.outbox import endpoints, subscriptions
 
     endpoint_id = f"wh_{len(types)}_{int(enabled)}_{time.monotonic_ns()}"
     async with write_connection(store.engine) as conn:
@@ -382,7 +382,7 @@ async def _endpoint(store: Any, types: list[str], *, enabled: bool = True) -> st
 
 
 async def _deliveries(store: Any) -> list[tuple[str, str, str | None, int | None, str]]:
-    from app.webhooks.outbox import deliveries as d
+    from app.jobs.outbox import deliveries as d
 
     query = select(d.c.endpoint_id, d.c.event_type, d.c.job_id, d.c.event_seq, d.c.message_id)
     async with store.engine.connect() as conn:
@@ -482,7 +482,7 @@ async def test_patch_changes_url_and_event_types_and_refuses_what_registration_d
     assert shown["event_types"] == ["run.failed"] and shown["enabled"] is True
     assert shown["updated_at"] > created["updated_at"]
     assert (await live.client.get(path)).json() == shown
-    from app.webhooks.outbox import subscriptions
+    from app.jobs.outbox import subscriptions
 
     async with live.app.state.engine.connect() as conn:
         rows = await conn.execute(
@@ -517,7 +517,7 @@ async def test_pending_deliveries_go_to_the_new_url(serve) -> None:
 
 
 async def _expire_previous_secret(live: LiveServer, endpoint_id: str) -> None:
-    from app.webhooks.outbox import endpoints
+    from app.jobs.outbox import endpoints
 
     async with write_connection(live.app.state.engine) as conn:
         await conn.execute(
@@ -589,8 +589,8 @@ def test_several_secrets_sign_one_header_every_receiver_accepts() -> None:
 async def test_old_ended_deliveries_are_deleted_in_batches_pending_and_recent_stay(
     store, make_settings
 ) -> None:
-    from app.webhooks.outbox import attempts as a
-    from app.webhooks.outbox import deliveries as d
+    from app.jobs.outbox import attempts as a
+    from app.jobs.outbox import deliveries as d
 
     endpoint_id = await _endpoint(store, ["job.succeeded"])
     now = utcnow()

@@ -14,13 +14,13 @@ from app.backends import Backends
 from app.db import create_engine, create_sessionmaker, transaction, utcnow
 from app.jobs.lifecycle import ErrorInfo, EventType, JobStatus, Retry, Succeeded
 from app.jobs.store import Claim, store_for
-from app.jobs.worker import Worker
 from app.models import JobEventRow, JobRow, ModelRow
 from app.notify import Notifier
+from app.registry.models import create_model
 from app.schemas.jobs import TrainingJobCreate
 from app.schemas.models import ModelCreate
-from app.services.models import create_model
 from app.training.service import create_training_job, prepare
+from app.worker import Worker
 from tests import factories as f
 from tests.backends import FlakyBackend, RecordingBackend
 

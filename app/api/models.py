@@ -11,9 +11,9 @@ from app.api.body import Reading, json_body, read_json
 from app.api.deps import Cursor, Session
 from app.backends import SPECS
 from app.gateway import PREFIX as GATEWAY_PREFIX
+from app.registry import models as service
 from app.schemas.common import NO_NUL, Page, problem_responses
 from app.schemas.models import Model, ModelCreate
-from app.services import models as service
 
 READING = Reading(ModelCreate, lambda body, raw, settings: body)
 

@@ -13,16 +13,17 @@ the writing process's, read inside its write transaction (one process writes at 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
-from sqlalchemy import ColumnElement, Table, func, insert, select, update
+from sqlalchemy import ColumnElement, Insert, Table, func, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from app.db import utcnow
+from app.jobs import outbox
 from app.jobs.lifecycle import Event, EventType
 from app.models import JobEventRow, JobRow
 from app.schemas.jobs import JobEvent
-from app.webhooks import outbox
 
 Executor = AsyncConnection | AsyncSession
 job_events = cast(Table, JobEventRow.__table__)
@@ -34,10 +35,19 @@ def database_clock() -> ColumnElement[Any]:
     return func.clock_timestamp()
 
 
+@dataclass(frozen=True)
+class _EventInsert:
+    """How a dialect stamps the events it inserts: Postgres by the database's clock, in
+    the statement; SQLite (one writer) by the writer's, in the rows."""
+
+    statement: Insert
+    writer_stamps: bool
+
+
 # Built once: the workers insert events for every job.
 _INSERT = {
-    "postgresql": insert(job_events).values(created_at=database_clock()),
-    "sqlite": insert(job_events),
+    "postgresql": _EventInsert(insert(job_events).values(created_at=database_clock()), False),
+    "sqlite": _EventInsert(insert(job_events), True),
 }
 
 
@@ -51,7 +61,7 @@ async def add_events(
     executor: Executor, job_id: str, last_seq: int, events: Sequence[Event]
 ) -> None:
     """Insert `events` as seqs `last_seq - len(events) + 1 .. last_seq`, and the webhook
-    deliveries of those that are webhook events (`app.webhooks.outbox`), in the caller's
+    deliveries of those that are webhook events (`app.jobs.outbox`), in the caller's
     transaction. On Postgres a trigger signals them to other processes when it commits."""
     if not events:
         return
@@ -61,11 +71,12 @@ async def add_events(
         {"job_id": job_id, "seq": first + i, "type": type_.value, "data": data}
         for i, (type_, data) in enumerate(events)
     ]
-    if dialect != "postgresql":
+    how = _INSERT.get(dialect, _INSERT["sqlite"])
+    if how.writer_stamps:
         now = utcnow()
         for row in rows:
             row["created_at"] = now
-    await executor.execute(_INSERT.get(dialect, _INSERT["sqlite"]), rows)
+    await executor.execute(how.statement, rows)
     for i, (type_, _) in enumerate(events):
         pair = outbox.reported(type_)
         if pair is not None:

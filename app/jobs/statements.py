@@ -9,7 +9,9 @@ worker runs outside a transaction, so it commits by itself: one round trip each.
 
 from __future__ import annotations
 
+import enum
 import functools
+from datetime import timedelta
 from typing import Any, cast
 
 from sqlalchemy import (
@@ -35,10 +37,11 @@ from sqlalchemy.dialects.postgresql import ARRAY, JSONB, distinct_on
 from sqlalchemy.sql.dml import ReturningUpdate, Update
 from sqlalchemy.sql.selectable import Select
 
+from app.db import utcnow
+from app.jobs import outbox
 from app.jobs.events import database_clock
 from app.jobs.lifecycle import EventType, JobKind, JobStatus
 from app.models import JobEventRow, JobRow, ModelRow, WorkerRow
-from app.webhooks import outbox
 
 RUNNING = JobStatus.running.value
 QUEUED = JobStatus.queued.value
@@ -64,25 +67,35 @@ def guarded(*extra: Any) -> ColumnElement[bool]:
     )
 
 
-def lease_clock(postgres: bool) -> ColumnElement[Any]:
-    """The clock leases run on: on Postgres the database's, so a worker host whose clock is
-    skewed can neither take a live job for dead nor hold a lease past its time; on SQLite
-    (one host) the writer's, bound as `g_now`."""
-    return database_clock() if postgres else bindparam("g_now")
+class LeaseClock(enum.Enum):
+    """The clock leases run on, the one thing the two dialects' statements differ in
+    besides their claim: the database's on Postgres, so a worker host whose clock is
+    skewed can neither take a live job for dead nor hold a lease past its time; the
+    writer's on SQLite (one host), bound as `g_now` and `v_expires`."""
 
+    WRITER = "writer"
+    DATABASE = "database"
 
-def _lease_until(postgres: bool) -> ColumnElement[Any]:
-    """When a lease taken or renewed now expires: `v_lease_seconds` from the lease clock
-    (SQLite: the writer computes it, bound as `v_expires`)."""
-    if not postgres:
-        return bindparam("v_expires")
-    seconds = bindparam("v_lease_seconds", type_=Float)
-    return database_clock() + literal_column("interval '1 second'") * seconds
+    def now(self) -> ColumnElement[Any]:
+        return database_clock() if self is LeaseClock.DATABASE else bindparam("g_now")
+
+    def until(self) -> ColumnElement[Any]:
+        """When a lease taken or renewed now expires."""
+        if self is LeaseClock.WRITER:
+            return bindparam("v_expires")
+        seconds = bindparam("v_lease_seconds", type_=Float)
+        return database_clock() + literal_column("interval '1 second'") * seconds
+
+    def lease_params(self, seconds: float) -> dict[str, Any]:
+        """Parameters of a lease taken or renewed now for `seconds`."""
+        if self is LeaseClock.WRITER:
+            return {"v_expires": utcnow() + timedelta(seconds=seconds)}
+        return {"v_lease_seconds": seconds}
 
 
 @functools.cache
 def job_update(
-    keys: tuple[str, ...], only_if_expired: bool, unless_cancel: bool, postgres: bool
+    keys: tuple[str, ...], only_if_expired: bool, unless_cancel: bool, clock: LeaseClock
 ) -> ReturningUpdate[Any]:
     """Set `v_<key>` on the lease's job and count `g_events` new events, returning the new
     counter (and the id, for `write_in_one`); matches nothing once the lease is lost.
@@ -90,7 +103,7 @@ def job_update(
     worker did not come back); `unless_cancel`: only if no cancel was asked."""
     extra = []
     if only_if_expired:
-        extra.append(jobs.c.lease_expires_at < lease_clock(postgres))
+        extra.append(jobs.c.lease_expires_at < clock.now())
     if unless_cancel:
         extra.append(jobs.c.cancel_requested.is_(False))
     values: dict[Any, Any] = {key: bindparam(f"v_{key}") for key in keys}
@@ -116,7 +129,7 @@ def model_update(keys: tuple[str, ...]) -> Update:
 
 
 @functools.cache
-def claim_query(postgres: bool = False) -> Select[Any]:
+def claim_query(lock_models: bool = False) -> Select[Any]:
     """A page of the oldest eligible queued jobs (due, their model not busy) with their
     models, oldest first."""
     query = (
@@ -142,8 +155,8 @@ def claim_query(postgres: bool = False) -> Select[Any]:
         .order_by(jobs.c.id)
         .limit(bindparam("page"))
     )
-    if postgres:
-        # Locking the model row too makes a concurrent claimer skip every job of a model
+    if lock_models:
+        # Postgres: locking the model row too makes a concurrent claimer skip every job of a model
         # that is being claimed right now, instead of colliding on the unique index.
         query = query.with_for_update(skip_locked=True, of=(jobs, models))
     return query
@@ -195,9 +208,9 @@ TAKE = (
 
 
 @functools.cache
-def heartbeat(*, with_progress: bool, postgres: bool) -> ReturningUpdate[Any]:
+def heartbeat(*, with_progress: bool, clock: LeaseClock) -> ReturningUpdate[Any]:
     values: dict[str, Any] = {
-        "lease_expires_at": _lease_until(postgres),
+        "lease_expires_at": clock.until(),
         "last_event_seq": jobs.c.last_event_seq + bindparam("g_events"),
     }
     if with_progress:
@@ -222,8 +235,8 @@ def write_in_one(
     (data-modifying CTEs). The events come as arrays and are numbered from the counter
     the job update returned; the model is updated only if the job update matched.
     `hooks`: some events are webhook events (`e_hooks`: each one's webhook type, or NULL):
-    their deliveries are inserted too, as `app.webhooks.outbox.fan_out` does."""
-    job = job_update(keys, only_if_expired, unless_cancel, postgres=True).cte("job")
+    their deliveries are inserted too, as `app.jobs.outbox.fan_out` does."""
+    job = job_update(keys, only_if_expired, unless_cancel, LeaseClock.DATABASE).cte("job")
     event = (
         func.unnest(
             bindparam("e_types", type_=ARRAY(Text)),
@@ -288,7 +301,7 @@ def claim_statement() -> Select[Any]:
     `wanted`, each with its own lease token (md5 of a per-statement secret and the id),
     and each gets its `job_claimed` event. `candidates` tells whether the page was full.
     """
-    candidate = claim_query(postgres=True).cte("candidate")
+    candidate = claim_query(lock_models=True).cte("candidate")
     first = (
         select(candidate)
         .ext(distinct_on(candidate.c.model_name))
@@ -308,7 +321,7 @@ def claim_statement() -> Select[Any]:
             status=RUNNING,
             lease_token=func.md5(bindparam("v_secret", type_=String) + jobs.c.id),
             lease_owner=owner,
-            lease_expires_at=_lease_until(postgres=True),
+            lease_expires_at=LeaseClock.DATABASE.until(),
             attempts=jobs.c.attempts + 1,
             started_at=now,
             progress_step=0,

@@ -47,10 +47,10 @@ from app.jobs.lifecycle import (
     Retry,
     plan,
 )
+from app.jobs.outbox import webhook_type
 from app.jobs.payloads import Payload
 from app.jobs.statements import RUNNING, jobs, models, workers
 from app.models import JobRow
-from app.webhooks.outbox import webhook_type
 
 log = logging.getLogger(__name__)
 # How long a final write keeps trying while the database is away.
@@ -269,18 +269,16 @@ def _claim(
 class QueueStore(ABC):
     """Claims, leases and guarded writes. Subclasses override only what differs per
     dialect: `claim`, the one-statement final write, and the clock leases run on
-    (`statements.lease_clock`)."""
+    (`statements.LeaseClock`)."""
 
-    postgres: ClassVar[bool] = False
+    clock: ClassVar[statements.LeaseClock] = statements.LeaseClock.WRITER
 
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
 
     def _lease_for(self, seconds: float) -> dict[str, Any]:
         """Parameters of a lease taken or renewed now for `seconds`."""
-        if self.postgres:
-            return {"v_lease_seconds": seconds}
-        return {"v_expires": utcnow() + timedelta(seconds=seconds)}
+        return self.clock.lease_params(seconds)
 
     @abstractmethod
     async def claim(self, *, owner: str, lease_seconds: float, limit: int = 1) -> list[Claim]:
@@ -301,9 +299,7 @@ class QueueStore(ABC):
         if progress is not None:
             params["v_step"], params["v_total"] = progress
         async with write_connection(self.engine) as conn:
-            statement = statements.heartbeat(
-                with_progress=progress is not None, postgres=self.postgres
-            )
+            statement = statements.heartbeat(with_progress=progress is not None, clock=self.clock)
             row = (await conn.execute(statement, params)).one_or_none()
             if row is None:
                 return Heartbeat(alive=False, cancel_requested=False)
@@ -397,7 +393,7 @@ class QueueStore(ABC):
         nothing matched (the lease is lost)."""
         keys, params = _write_params(lease, values, events)
         statement = statements.job_update(
-            keys, only_if_expired, unless_cancel_requested, self.postgres
+            keys, only_if_expired, unless_cancel_requested, self.clock
         )
         seq = (await conn.execute(statement, params)).scalar_one_or_none()
         if seq is not None:
@@ -426,7 +422,7 @@ class QueueStore(ABC):
 
     async def expired(self, *, limit: int = 20) -> list[LeaseState]:
         """Running jobs whose worker stopped renewing its lease (by the lease clock)."""
-        now = statements.lease_clock(self.postgres)
+        now = self.clock.now()
         query = (
             statements.lease_state()
             .where(jobs.c.status == RUNNING, jobs.c.lease_expires_at < now)
@@ -558,7 +554,7 @@ class PostgresStore(QueueStore):
     transaction, each committed by itself in one round trip. Leases run on the database's
     clock."""
 
-    postgres = True
+    clock = statements.LeaseClock.DATABASE
 
     async def claim(self, *, owner: str, lease_seconds: float, limit: int = 1) -> list[Claim]:
         """Each look is one statement (`statements.claim_statement`), so what one look

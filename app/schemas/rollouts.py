@@ -15,14 +15,14 @@ from pydantic import (
 
 from app.egress import EgressPolicy
 from app.jobs.lifecycle import JobStatus
-from app.rollouts.graders import (
+from app.schemas.common import NO_NUL, JsonObject, plain_json
+from app.schemas.graders import (
     NEEDS_EXPECTED,
     Grader,
     OutboundHeaders,
     OutboundUrl,
     WebhookGrader,
 )
-from app.schemas.common import NO_NUL, JsonObject, plain_json
 from app.schemas.jobs import JobError, JobProgress
 from app.schemas.pieces import EACH, Piece
 

@@ -8,8 +8,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from app.jobs.lifecycle import JobStatus
-from app.rollouts.graders import Grader
 from app.schemas.common import NO_NUL, JsonObject
+from app.schemas.graders import Grader
 from app.schemas.jobs import JobError
 from app.schemas.pieces import EACH, Piece
 from app.schemas.rollouts import Agent, Example, Sampling

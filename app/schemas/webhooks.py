@@ -7,8 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, HttpUrl, field_validator
 
-from app.rollouts.graders import OutboundUrl
 from app.schemas.common import NO_NUL
+from app.schemas.graders import OutboundUrl
 
 MAX_URL_LENGTH = 2048
 """The longest endpoint URL, as stored (`webhook_endpoints.url`)."""
@@ -22,7 +22,7 @@ EventTypeName = Literal[
     "run.failed",
     "run.cancelled",
 ]
-"""`app.webhooks.outbox.WebhookEventType`'s values (a test checks they agree)."""
+"""`app.jobs.outbox.WebhookEventType`'s values (a test checks they agree)."""
 
 
 def _url_fits(value: HttpUrl) -> HttpUrl:

@@ -30,8 +30,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from app.db import is_unavailable, json_dumps, utcnow, write_connection
 from app.egress import EgressClient, EgressError, EgressPolicy, Reply
 from app.jobs.events import database_clock, job_events
-from app.settings import Settings
-from app.webhooks.outbox import (
+from app.jobs.outbox import (
     FAILED,
     PENDING,
     STATUS_OF,
@@ -42,6 +41,7 @@ from app.webhooks.outbox import (
     endpoints,
     jobs,
 )
+from app.settings import Settings
 
 log = logging.getLogger(__name__)
 MAX_RESPONSE_BYTES = 64 * 1024

@@ -14,6 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from app.db import begin_write, utcnow
 from app.egress import EgressPolicy
 from app.errors import InvalidInputError, NotFoundError
+from app.jobs.outbox import PENDING, TEST_EVENT, subscriptions
 from app.models import WebhookAttemptRow, WebhookDeliveryRow, WebhookEndpointRow
 from app.schemas.common import FieldError
 from app.schemas.webhooks import (
@@ -24,7 +25,6 @@ from app.schemas.webhooks import (
     WebhookEndpointCreated,
     WebhookEndpointUpdate,
 )
-from app.webhooks.outbox import PENDING, TEST_EVENT, subscriptions
 from app.webhooks.sender import new_secret
 
 

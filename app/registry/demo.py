@@ -8,8 +8,8 @@ from pathlib import Path
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from app.registry.models import create_model
 from app.schemas.models import ModelCreate
-from app.services.models import create_model
 
 log = logging.getLogger(__name__)
 DEMO = "demo"
