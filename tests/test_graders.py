@@ -17,22 +17,19 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from app.egress import EgressClient, EgressPolicy
 from app.rollouts import graders
-from app.rollouts.graders import (
-    MAX_GRADED_CHARS,
+from app.rollouts.graders import MAX_GRADED_CHARS, THREAD_CHARS, Grade, grade
+from app.schemas.graders import (
     MAX_REGEX_PROGRAM,
     MAX_REGEX_WORK,
     NEEDS_EXPECTED,
-    THREAD_CHARS,
     ContainsGrader,
     ExactMatchGrader,
-    Grade,
     Grader,
     JsonFieldGrader,
     NumericGrader,
     RegexGrader,
     WebhookGrader,
     compile_regex,
-    grade,
 )
 from tests.conftest import LiveServer
 

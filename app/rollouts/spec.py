@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict
 from app import jsontext
 from app.db import json_dumps
 from app.jobs.payloads import Codec, Payload
-from app.rollouts.graders import Grader
+from app.schemas.graders import Grader
 from app.schemas.rollouts import Agent, Example, RolloutJobCreate, Sampling, TrainAfter
 
 V1 = "trainyard.rollout.v1+json;zstd"

@@ -29,10 +29,10 @@ from app.jobs.runs import apply_pause
 from app.jobs.service import enqueue_once, get_job, replay
 from app.jobs.store import new_job
 from app.models import JobRow, ModelRow, RunMetricRow, RunRow
-from app.rollouts.graders import NEEDS_EXPECTED
 from app.runs import spec
 from app.runs.schedule import initial_state, waiting_id
 from app.runs.state import decode as decode_state
+from app.schemas.graders import NEEDS_EXPECTED
 from app.schemas.jobs import JobError
 from app.schemas.rollouts import refused_destinations
 from app.schemas.runs import (
