@@ -17,6 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.backends import SPECS, Backends, load_training_stack
 from app.backends.base import ModelSpec
+from app.db import is_unavailable
 from app.jobs.lifecycle import Cancelled, ErrorInfo, JobKind, JobStatus, Recovered, Released
 from app.jobs.store import Claim, Lease, LeaseState, QueueStore
 from app.jobs.supervise import KindRunner, RunContext
@@ -173,8 +174,11 @@ class Worker:
             try:
                 await self.runs.advance(run_id)
                 await self.fill()
-            except Exception:
-                log.exception("run %s: advancing it after %s failed", run_id, lease.job_id)
+            except Exception as exc:
+                if is_unavailable(exc):  # busy or restarting: the loop's next turn does it
+                    log.warning("run %s: not advanced after %s: %s", run_id, lease.job_id, exc)
+                else:
+                    log.exception("run %s: advancing it after %s failed", run_id, lease.job_id)
         self.notifier.jobs_changed()  # a slot is free; the model may have more jobs
         self.notifier.webhooks_due()  # its end may be a webhook event
 

@@ -322,14 +322,18 @@ def seed(client: httpx.Client, data_dir: Path) -> Seeded:
     assert _wait(client, ended, FINAL)["status"] == "succeeded"
     # Long runs that stay: one paused (the fuzzer pauses and resumes them), and the one the
     # fuzzer may cancel (last).
-    paused = run("fuzz-runs", steps=10_000)
+    # (on a model of its own: `fuzz-runs` stays free for the runs the fuzzer submits)
+    model("fuzz-paused", "cpu", listed=False)
+    paused = run("fuzz-paused", steps=10_000)
     assert client.post(f"{paused}/pause").status_code == 200
     # One active run per model, and none beside a training job (the one `finished`
     # enqueued on `fuzz-served` waits behind `held`): the last two on models of their own.
-    model("fuzz-runs-2", "cpu", listed=False)
-    model("fuzz-runs-3", "cpu", listed=False)
-    run("fuzz-runs-2", steps=10_000)
-    run("fuzz-runs-3", steps=10_000)
+    # Paused at once (the fuzzer may resume them): no rollout of theirs holds a worker's
+    # slot, which the jobs the fuzzer submits need.
+    for name in ("fuzz-runs-2", "fuzz-runs-3"):
+        model(name, "cpu", listed=False)
+        location = run(name, steps=10_000)
+        assert client.post(f"{location}/pause").status_code == 200
     # The documented example of a run names the model `demo`.
     model("demo", "cpu")
 
@@ -360,6 +364,10 @@ def seed(client: httpx.Client, data_dir: Path) -> Seeded:
             seeded.training_jobs.append(created["id"])
         elif path == "/v1/runs":
             seeded.runs.insert(0, created["id"])
+            # Ended, so `demo` takes the fuzzer's own run of the example (one run per model).
+            cancel = client.post(f"/v1/runs/{created['id']}/cancel")
+            assert cancel.status_code == 200, cancel.text
+            _wait(client, f"/v1/runs/{created['id']}", FINAL)
         else:
             seeded.rollout_jobs.append(created["id"])  # queued behind `held`
     return seeded

@@ -29,7 +29,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, async_sessionmaker
 
 from app.backends import Backends
 from app.datasets import THREAD_BYTES, load_splits
-from app.db import utcnow
+from app.db import is_unavailable, utcnow
 from app.errors import ProblemError
 from app.jobs.lifecycle import JobKind, JobStatus, NewJob, RunMetric, RunMove, plan_run, run_status
 from app.jobs.payloads import Payload
@@ -88,8 +88,11 @@ class RunDriver:
         for run_id in ids:
             try:
                 moved += await self.advance(run_id)
-            except Exception:  # one run's trouble must not stop the others
-                log.exception("run %s: advancing it failed; trying again later", run_id)
+            except Exception as exc:  # one run's trouble must not stop the others
+                if is_unavailable(exc):
+                    log.warning("run %s: not advanced (%s); trying again later", run_id, exc)
+                else:
+                    log.exception("run %s: advancing it failed; trying again later", run_id)
         return moved
 
     async def advance(self, run_id: str) -> int:
