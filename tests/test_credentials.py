@@ -189,3 +189,29 @@ async def test_the_model_json_hands_out_the_gateway_not_the_backends_endpoint(
     assert keyless.status_code == 401 and forwarded_keyless == 0
     assert keyed.status_code == 200, keyed.text
     assert seen[0]["model"] == "remote@2" and keyed.json()["model"] == "remote@2"
+
+
+async def test_without_a_key_arts_openai_client_gets_a_stand_in_an_open_server_takes(
+    serve: Callable[..., LiveServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No key anywhere: an OpenAI client refuses to be made without one, so ART's gets a
+    stand-in, which a server without keys takes (and one with keys refuses)."""
+    art = pytest.importorskip("art")
+    from trainyard_client.art_backend import NO_KEY, TrainyardBackend
+
+    monkeypatch.delenv("TRAINYARD_API_KEY", raising=False)
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    answers = {}
+    for keys in ("", KEY):
+        async with serve(api_keys=keys) if keys else serve() as live:
+            backend = TrainyardBackend(live.url)
+            model = art.TrainableModel(name="m", project="p", base_model="b")
+            base_url, key = await backend._prepare_backend_for_training(model, None)
+            assert (base_url, key) == (f"{live.url}/openai/v1", NO_KEY)
+            client = openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0)
+            try:
+                answers[keys] = len((await client.models.list()).data)
+            except openai.AuthenticationError as exc:
+                answers[keys] = exc.status_code
+            await backend.close()
+    assert answers == {"": 0, KEY: 401}
