@@ -25,11 +25,12 @@ art = pytest.importorskip("art")
 
 from tests.conftest import LiveServer  # noqa: E402
 from tests.test_readme import README, fenced_blocks  # noqa: E402
-from trainyard_client import AsyncTrainyard, ValidationError  # noqa: E402
+from trainyard_client import AsyncTrainyard, AuthenticationError, ValidationError  # noqa: E402
 from trainyard_client.art_backend import JobFailedError, TrainyardBackend  # noqa: E402
 
 SECTION = "## ART programs"
 ADDRESS = "http://localhost:8000"
+KEY = "art-users-key"  # the servers here have API keys: every call must send it
 
 
 def program() -> tuple[str, int]:
@@ -46,9 +47,10 @@ ART_0523 = Path(__file__).parent.parent / ".venv-art" / "bin" / "python"
 INTERPRETERS = {"openpipe-art 0.5.18": Path(sys.executable), "openpipe-art 0.5.23": ART_0523}
 
 
-def _run(code: str, cwd: Path, python: Path) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINYARD_")}
+def _run(code: str, cwd: Path, python: Path, **variables: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAINYARD_", "OPENAI_"))}
     env["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"  # ART imports litellm: no fetch offline
+    env.update(variables)
     return subprocess.run(
         [str(python), "-c", code],
         cwd=cwd,
@@ -60,10 +62,25 @@ def _run(code: str, cwd: Path, python: Path) -> subprocess.CompletedProcess[str]
     )
 
 
-@pytest.mark.parametrize("art_version", list(INTERPRETERS))
+# Where the key comes from: both versions take it from the environment; how the backend
+# gets it does not depend on ART's version, so the argument and no key at all (a server
+# without keys, as `make run` starts it) run on one version each.
+KEY_CASES = [
+    ("openpipe-art 0.5.18", "environment"),
+    ("openpipe-art 0.5.18", "argument"),
+    ("openpipe-art 0.5.23", "environment"),
+    ("openpipe-art 0.5.23", "none"),
+]
+
+
+@pytest.mark.parametrize(("art_version", "key_from"), KEY_CASES)
 async def test_the_readme_program_trains_a_step_and_samples_it(
-    serve: Callable[..., LiveServer], tmp_path: Path, art_version: str
+    serve: Callable[..., LiveServer], tmp_path: Path, art_version: str, key_from: str
 ) -> None:
+    """The README's program, on a server with API keys: the key given only in
+    `TRAINYARD_API_KEY`, or only as `api_key=`, reaches every call, ART's OpenAI client
+    (`model.openai_client()`, which samples through the gateway) included; and as written,
+    with no key, on a server without keys."""
     python = INTERPRETERS[art_version]
     if not python.exists():
         if os.environ.get("CI"):
@@ -86,8 +103,17 @@ async def test_the_readme_program_trains_a_step_and_samples_it(
         code = code.replace('project="demo",', 'project="demo", run_name="art-agent-1",')
     assert code.count("{url}") == 1
     assert ("run_name" in code) == art_version.endswith("0.5.23")
-    async with serve(worker_enabled=True, demo_model=True) as live:
-        ran = await asyncio.to_thread(_run, code.replace("{url}", live.url), tmp_path, python)
+    variables = {"TRAINYARD_API_KEY": KEY} if key_from == "environment" else {}
+    if key_from == "argument":
+        made = 'TrainyardBackend("{url}", trainer="cpu")'
+        assert code.count(made) == 1
+        code = code.replace(made, f'TrainyardBackend("{{url}}", api_key="{KEY}", trainer="cpu")')
+    keys = {} if key_from == "none" else {"api_keys": KEY}
+    async with serve(worker_enabled=True, demo_model=True, **keys) as live:
+        if keys:
+            live.client.headers["Authorization"] = f"Bearer {KEY}"
+        program_code = code.replace("{url}", live.url)
+        ran = await asyncio.to_thread(_run, program_code, tmp_path, python, **variables)
         assert ran.returncode == 0, f"README.md:{line}\n{ran.stdout}\n{ran.stderr}"
         model = (await live.client.get("/v1/models/art-agent")).json()
         jobs = (await live.client.get("/v1/training-jobs?model=art-agent")).json()["data"]
@@ -122,26 +148,29 @@ async def _groups(model: Any) -> list[Any]:
 
 
 async def _base_model(url: str) -> str:
-    async with AsyncTrainyard(url) as client:
+    async with AsyncTrainyard(url, api_key=KEY) as client:
         return (await client.models.get("demo")).base_model
 
 
 async def _registered(live: LiveServer, name: str, **options: Any) -> tuple[Any, Any]:
     """A backend on the live server, and a model of `name` registered with it (a copy of
     the demo's tiny model, created on the cpu backend)."""
-    backend = TrainyardBackend(live.url, trainer="cpu", **options)
+    backend = TrainyardBackend(live.url, KEY, trainer="cpu", **options)
     model = art.TrainableModel(name=name, project="p", base_model=await _base_model(live.url))
     await model.register(backend)
     return backend, model
 
 
 async def test_train_returns_arts_result_and_the_gateway_serves_the_new_step(
-    serve: Callable[..., LiveServer],
+    serve: Callable[..., LiveServer], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    async with serve(worker_enabled=True, demo_model=True) as live:
+    monkeypatch.delenv("TRAINYARD_API_KEY", raising=False)  # the key is the argument
+    async with serve(worker_enabled=True, demo_model=True, api_keys=KEY) as live:
+        live.client.headers["Authorization"] = f"Bearer {KEY}"
         seen: list[str] = []
         backend = TrainyardBackend(
             live.url,
+            api_key=KEY,
             trainer="cpu",
             metadata={"experiment": "art"},
             on_progress=lambda p: seen.append(p.event.type),
@@ -151,6 +180,7 @@ async def test_train_returns_arts_result_and_the_gateway_serves_the_new_step(
         )
         await model.register(backend)
         assert model.inference_base_url == f"{live.url}/openai/v1"
+        assert model.inference_api_key == KEY  # ART's OpenAI client sends the user's key
         assert await model.get_step() == 0
         before, _ = await _sample(model, "a")
         result = await backend.train(model, await _groups(model), learning_rate=0.01)
@@ -171,22 +201,33 @@ async def test_train_returns_arts_result_and_the_gateway_serves_the_new_step(
         jobs = (await live.client.get("/v1/training-jobs?model=art-b")).json()["data"]
         assert [j["metadata"] for j in jobs] == [{"experiment": "art"}]
 
-        # Registering again finds the model; another base model by that name is refused.
-        await model.register(TrainyardBackend(live.url))
+        # Registering again finds the model (through a client given to the backend, whose
+        # key ART's OpenAI client takes); another base model by that name is refused.
+        async with AsyncTrainyard(live.url, api_key=KEY) as client:
+            await model.register(TrainyardBackend(client=client))
+            assert model.inference_api_key == KEY
+            again = await model.openai_client().chat.completions.create(
+                model=model.get_inference_name(), messages=[{"role": "user", "content": "a"}]
+            )
+            assert again.model == "art-b@1"
         other = art.TrainableModel(name="art-b", project="p", base_model="elsewhere")
         with pytest.raises(ValueError, match="has base model"):
-            await other.register(TrainyardBackend(live.url))
+            await other.register(TrainyardBackend(live.url, KEY))
         # A model the server lacks, and no trainer to create it on: said, not guessed.
         missing = art.TrainableModel(name="art-c", project="p", base_model="x")
         with pytest.raises(ValueError, match="pass trainer="):
-            await missing.register(TrainyardBackend(live.url))
+            await missing.register(TrainyardBackend(live.url, KEY))
+        # Without a key the server refuses at the first call, as it does the OpenAI client.
+        with pytest.raises(AuthenticationError):
+            await model.register(TrainyardBackend(live.url))
         await backend.close()
 
 
 async def test_bad_hyperparameters_are_refused_before_anything_is_submitted(
     serve: Callable[..., LiveServer],
 ) -> None:
-    async with serve(worker_enabled=True, demo_model=True) as live:
+    async with serve(worker_enabled=True, demo_model=True, api_keys=KEY) as live:
+        live.client.headers["Authorization"] = f"Bearer {KEY}"
         backend, model = await _registered(live, "art-h")
         groups = await _groups(model)
         with pytest.raises(ValidationError) as refused:
@@ -251,7 +292,8 @@ def _choice(text: str, logprob: float) -> Any:
 async def test_checkpoints_are_deleted_through_the_registry_and_a_lease_holds_a_step(
     serve: Callable[..., LiveServer],
 ) -> None:
-    async with serve(worker_enabled=True, demo_model=True) as live:
+    async with serve(worker_enabled=True, demo_model=True, api_keys=KEY) as live:
+        live.client.headers["Authorization"] = f"Bearer {KEY}"
         backend, model = await _registered(live, "art-d")
         for _ in range(3):
             await backend.train(model, await _groups(model), learning_rate=0.01)

@@ -14,9 +14,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+from sqlalchemy import select
 
 from app.backends.tiny_model import make_tiny_model
+from app.db import create_engine
 from app.main import create_app
+from app.models import ModelRow
 from tests.backends import wait_final
 from tests.conftest import LiveServer
 
@@ -257,7 +260,11 @@ async def test_the_api_keeps_its_access_log_once_a_cpu_model_is_served(
         try:
             await live.client.get("/healthz?before")
             model = await register(live.client, tiny_model)
-            await sample(model, n=1, max_tokens=1)  # the cpu backend's server answers too
+            # The cpu backend's server answers too, at its own endpoint (which the API does
+            # not hand out: the model JSON names the gateway).
+            inside = await _served_at(settings.database_url, model["name"])
+            assert inside != model["inference_base_url"]
+            await sample({**model, "inference_base_url": inside}, n=1, max_tokens=1)
             await live.client.get("/healthz?after")
             await live.client.post("/v1/nothing?after")
         finally:
@@ -268,6 +275,18 @@ async def test_the_api_keeps_its_access_log_once_a_cpu_model_is_served(
     # The model endpoint's requests are not mixed into the API's access log.
     assert not any("/chat/completions" in line for line in lines.lines)
     assert access.isEnabledFor(logging.INFO)
+
+
+async def _served_at(database_url: str, name: str) -> str:
+    """Where the backend itself serves the model, as the worker recorded it."""
+    engine = create_engine(database_url)
+    try:
+        async with engine.connect() as conn:
+            row = (await conn.execute(select(ModelRow).where(ModelRow.name == name))).one()
+    finally:
+        await engine.dispose()
+    assert row.inference_base_url
+    return str(row.inference_base_url)
 
 
 # Run in a fresh interpreter, as a worker is: huggingface_hub answers "is X installed?" on

@@ -35,6 +35,7 @@ NAT = ROOT / ".venv-nat" / "bin" / "nat"
 DATA = Path(__file__).parent / "data" / "nat"
 SECTION = "## NeMo Agent Toolkit"
 ADDRESS = "http://localhost:8000"
+KEY = "nat-users-key"  # the finetuning server has API keys
 
 
 def readme_config() -> Block:
@@ -69,8 +70,12 @@ def write_config(tmp_path: Path, url: str, **replace: str) -> Path:
 
 
 def finetune(config: Path, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """`nat finetune` with the server's key in `TRAINYARD_API_KEY` and nowhere else: the
+    README's block hands it to the LLM (`${TRAINYARD_API_KEY:-unused}`); the adapter
+    takes it from the environment."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAINYARD_", "OPENAI_"))}
     env["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"  # NAT's ART plugin imports litellm: offline
+    env["TRAINYARD_API_KEY"] = KEY
     # NAT's default INFO level ends every epoch in a RecursionError (NAT 1.9).
     command = [str(NAT), "--log-level", "warning", "finetune", "--config_file", str(config)]
     return subprocess.run(
@@ -89,6 +94,29 @@ def test_the_readme_block_selects_the_adapter_and_the_gateway() -> None:
     assert "    _type: trainyard_trainer_adapter" in lines
     assert any(line.strip() == f"base_url: {ADDRESS}/openai/v1" for line in lines)
     assert any(line.strip() == "logprobs: true" for line in lines)
+
+
+async def test_the_adapter_sends_the_key_from_its_config_or_the_environment(
+    serve: Callable[..., LiveServer], tmp_path: Path
+) -> None:
+    """On a server with API keys: the key in the adapter's config (over a wrong one in the
+    environment), in TRAINYARD_API_KEY (the config's `api_key` absent, or null as NAT reads
+    `${TRAINYARD_API_KEY}` of an unset variable), and none (refused: 401)."""
+    nat = nat_or_skip()
+    python = nat.parent / "python"
+    script = DATA / "adapter_keys.py"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAINYARD_", "OPENAI_"))}
+    async with serve(worker_enabled=True, api_keys=KEY) as live:
+        ran = await asyncio.to_thread(
+            subprocess.run,
+            [str(python), str(script), live.url, KEY, str(tmp_path / "out")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+    assert ran.returncode == 0 and ran.stdout.strip() == "ok", ran.stdout + ran.stderr
 
 
 async def test_the_adapter_maps_statuses_and_raises_failures(
@@ -114,9 +142,14 @@ def test_nat_finetune_trains_the_demo_model_one_step_per_epoch(tmp_path: Path) -
     nat_or_skip()
     server = Server(tmp_path / "var", tmp_path / "server.log")
     try:
-        server.start({}, demo_served=True)
+        server.start({"TRAINYARD_API_KEYS": KEY}, demo_served=True)
         url = f"http://127.0.0.1:{server.port}"
-        client = httpx.Client(base_url=url, timeout=30)
+        client = httpx.Client(base_url=url, headers=server.auth, timeout=30)
+        assert httpx.get(f"{url}/v1/models/demo").status_code == 401
+        # The endpoint the model JSON names is the gateway, behind the keys.
+        served_at = client.get("/v1/models/demo").json()["inference_base_url"]
+        assert served_at == f"{url}/openai/v1"
+        assert httpx.post(f"{served_at}/chat/completions", json={}).status_code == 401
 
         # A hyper-parameter the backend does not take fails at start, before any rollout.
         bad = write_config(

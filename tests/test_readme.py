@@ -367,6 +367,7 @@ class Server:
         self.log = log
         self.process: subprocess.Popen[bytes] | None = None
         self.port = 0
+        self.auth: dict[str, str] = {}
 
     def start(self, variables: dict[str, str], *, demo_served: bool = False) -> None:
         self.stop()
@@ -379,6 +380,9 @@ class Server:
             TRAINYARD_DEMO_MODEL="true",  # what `make run` sets unless told otherwise
         )
         env.update(variables)
+        keys = variables.get("TRAINYARD_API_KEYS", "").split(",")
+        # The server's first key, if it has keys: what a client of it sends.
+        self.auth = {"Authorization": f"Bearer {keys[0].strip()}"} if keys[0].strip() else {}
         with self.log.open("ab") as log:
             log.write(f"\n==> trainyard serve with {variables}\n".encode())
             self.process = subprocess.Popen(
@@ -390,7 +394,9 @@ class Server:
         """/readyz answers 200 and, if asked, the demo model is served: the tour's first
         command shows its endpoint, which the README says appears once the worker loaded it."""
         deadline = time.monotonic() + START_TIMEOUT
-        with httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=5) as client:
+        with httpx.Client(
+            base_url=f"http://127.0.0.1:{self.port}", headers=self.auth, timeout=5
+        ) as client:
             while True:
                 assert self.process is not None
                 if self.process.poll() is not None:

@@ -79,11 +79,16 @@ async def get(
 
 
 def _with_gateway(model: Model, request: Request) -> Model:
-    """The gateway's base URL, under the API's public URL (or this request's)."""
+    """The gateway's base URL, under the API's public URL (or this request's), as
+    `openai_base_url` and, while a worker serves the model, `inference_base_url`."""
     if not model.openai_model_names:
         return model
     public = request.app.state.settings.public_url or str(request.base_url)
-    return model.model_copy(update={"openai_base_url": public.rstrip("/") + GATEWAY_PREFIX})
+    gateway = public.rstrip("/") + GATEWAY_PREFIX
+    update = {"openai_base_url": gateway}
+    if model.inference_base_url is not None:
+        update["inference_base_url"] = gateway
+    return model.model_copy(update=update)
 
 
 class Backend(BaseModel):

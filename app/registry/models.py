@@ -13,6 +13,7 @@ from app.backends import SPECS
 from app.backends.cpu import base_model_refusal
 from app.db import begin_write
 from app.errors import ConflictError, InvalidInputError, NotFoundError, field_errors
+from app.gateway import PREFIX as GATEWAY_PREFIX
 from app.gateway import served_names
 from app.models import ModelRow
 from app.schemas.models import Model, ModelCreate
@@ -26,8 +27,11 @@ def to_wire(row: ModelRow) -> Model:
         backend=row.backend,
         config=row.config,
         current_step=row.current_step,
-        inference_base_url=row.inference_base_url,
-        inference_model_name=row.inference_model_name,
+        # Where the backend serves the model (a loopback port that takes any key) stays
+        # inside: the public endpoint is the gateway, behind the API's keys, under the API's
+        # URL (`app.api.models` prefixes it); null while no worker serves the model.
+        inference_base_url=GATEWAY_PREFIX if row.inference_base_url else None,
+        inference_model_name=f"{row.name}@{row.current_step}" if row.inference_base_url else None,
         openai_model_names=served_names(row) if SPECS[row.backend].serves else [],
         created_at=row.created_at,
         updated_at=row.updated_at,

@@ -55,10 +55,12 @@ class Model(BaseModel):
     config: dict[str, Any]
     current_step: int = Field(description="Latest trained step the backend reported.")
     inference_base_url: str | None = Field(
-        description="OpenAI-compatible endpoint serving the model, once the backend serves it."
+        description="OpenAI-compatible endpoint serving the model while a worker serves it "
+        "(null otherwise): the gateway, behind the API's keys, as `openai_base_url`. Where "
+        "the backend itself serves the model is not handed out."
     )
     inference_model_name: str | None = Field(
-        description="Model name to request there (`name@step`)."
+        description="Model name to request there while it is served: `name@step`, the current step."
     )
     openai_base_url: str | None = Field(
         default=None,

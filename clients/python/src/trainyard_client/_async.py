@@ -20,6 +20,7 @@ from trainyard_client._base import (
     headers,
     operation,
     remaining,
+    resolve_api_key,
     resolve_url,
     sink,
     stream_timeout,
@@ -38,9 +39,10 @@ class AsyncTrainyard:
     """A client of one Trainyard server.
 
     `url` and `api_key` default to `TRAINYARD_URL` and `TRAINYARD_API_KEY` (then
-    http://127.0.0.1:8000, no key). Requests that fail to connect, or get a 429 or 503, are
-    sent again after a backoff (`retry`); so are reads and idempotent writes whose
-    connection broke. Errors are `trainyard_client.errors.APIError` subclasses.
+    http://127.0.0.1:8000, no key); `api_key` holds the key every call sends, for an OpenAI
+    client of the gateway (`openai_base_url`). Requests that fail to connect, or get a 429
+    or 503, are sent again after a backoff (`retry`); so are reads and idempotent writes
+    whose connection broke. Errors are `trainyard_client.errors.APIError` subclasses.
     """
 
     def __init__(
@@ -57,7 +59,8 @@ class AsyncTrainyard:
         self.timeout = timeout_of(timeout)
         self._http = http_client or httpx.AsyncClient(timeout=self.timeout)
         self._owns_http = http_client is None  # a client passed in is the caller's to close
-        self._headers = headers(api_key)
+        self.api_key = resolve_api_key(api_key)
+        self._headers = headers(self.api_key)
         self.backends = Backends(self)
         self.models = Models(self)
         self.checkpoints = Checkpoints(self)

@@ -36,11 +36,19 @@ def resolve_url(url: str | None) -> str:
     return (url or os.environ.get("TRAINYARD_URL") or DEFAULT_URL).rstrip("/")
 
 
-def headers(api_key: str | None) -> dict[str, str]:
+def resolve_api_key(api_key: str | None) -> str | None:
+    """The key a client sends: `api_key`, else `TRAINYARD_API_KEY`; None (no key) when
+    neither holds one. Every call made for the client's user is sent with this one key,
+    OpenAI clients built from it (ART's, NAT's) included."""
     key = api_key if api_key is not None else os.environ.get("TRAINYARD_API_KEY")
+    return key or None
+
+
+def headers(api_key: str | None) -> dict[str, str]:
+    """A client's headers; `api_key` as `resolve_api_key` returned it."""
     out = {"User-Agent": f"trainyard-client/{__version__}"}
-    if key:
-        out["Authorization"] = f"Bearer {key}"
+    if api_key:
+        out["Authorization"] = f"Bearer {api_key}"
     return out
 
 

@@ -13,7 +13,8 @@ program may die meanwhile: the job goes on, and its step is not trained twice.
 
 The model's OpenAI client (`model.openai_client()`) points at Trainyard's gateway
 (`/openai/v1`), which serves the latest step under the model's name and any kept step
-as `name@N`.
+as `name@N`, and calls it with the key the backend's client sends (`api_key=`, else
+`TRAINYARD_API_KEY`): the gateway is behind the API's keys.
 
 Written against `art.Backend` of openpipe-art 0.5.18 and 0.5.23 (which adds
 `exact_adapter_lease`). Needs the `art` extra: `pip install "trainyard-client[art]"`.
@@ -44,6 +45,10 @@ log = logging.getLogger("trainyard_client.art")
 # they say how to print, not how to train.
 _NOT_HYPERPARAMETERS = frozenset({"verbose"})
 
+# The key an OpenAI client is given when the user has none (an OpenAI client refuses to
+# be made without one): a server without TRAINYARD_API_KEYS takes any.
+NO_KEY = "no-key"
+
 
 class JobFailedError(TrainyardError):
     """A training job ended without training (failed or cancelled); `job` says why."""
@@ -63,6 +68,9 @@ class TrainyardBackend:
     submitted carries. `timeout`: seconds one `train` waits for its job (None: as long as
     it takes; on timeout the job goes on). `on_progress`: called with each event's
     `Progress` while a job trains (the default logs it).
+
+    `url` and `api_key` default to `TRAINYARD_URL` and `TRAINYARD_API_KEY`; with `client`
+    given, its URL and key are used. The key reaches every call, ART's OpenAI client too.
     """
 
     def __init__(
@@ -79,7 +87,6 @@ class TrainyardBackend:
     ) -> None:
         self.client = client or AsyncTrainyard(url, api_key=api_key)
         self._owns_client = client is None
-        self._api_key = api_key
         self.trainer = trainer
         self.trainer_config = dict(trainer_config or {})
         self.metadata = dict(metadata or {})
@@ -120,8 +127,10 @@ class TrainyardBackend:
         model: art.TrainableModel[Any, Any],
         config: dev.OpenAIServerConfig | None,
     ) -> tuple[str, str]:
-        """The gateway and the key to call it with: Trainyard serves the model itself."""
-        return self.client.openai_base_url, self._api_key or "trainyard"
+        """The gateway and the key ART's OpenAI client calls it with: the key every call
+        of `self.client` sends (the gateway is behind the API's keys). A server without
+        keys takes any: an OpenAI client needs one, so a placeholder stands in."""
+        return self.client.openai_base_url, self.client.api_key or NO_KEY
 
     def _model_inference_name(self, model: art.Model[Any, Any], step: int | None = None) -> str:
         """The gateway's names: `name` is the latest step, `name@N` step N."""

@@ -85,7 +85,9 @@ class TrainyardTrainerAdapter(TrainerAdapter):
         was made) before it trains, so no client is held across operations."""
         config = self.adapter_config
         retry = RetryPolicy(max_retries=config.max_retries if retries is None else retries)
-        key = config.api_key.get_secret_value() if config.api_key is not None else None
+        # An empty key (`api_key: ${TRAINYARD_API_KEY}` with the variable unset) is no key:
+        # the client then takes TRAINYARD_API_KEY, as when the block names none.
+        key = (config.api_key.get_secret_value() or None) if config.api_key is not None else None
         async with AsyncTrainyard(
             config.url, api_key=key, timeout=config.request_timeout, retry=retry
         ) as client:
