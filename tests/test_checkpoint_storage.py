@@ -253,3 +253,29 @@ async def test_the_registry_lists_deletes_and_exports_through_the_store(
         # 0 is the model's current step (no job moved it): protected.
         assert applied.json()["kept"] == [0, 4] and applied.json()["deleted"] == [1, 3]
         assert sorted(writer.steps(model)) == [0, 4]
+
+
+def test_compose_workers_and_api_share_one_object_store(monkeypatch) -> None:
+    """docker-compose.yml: every app service stores checkpoints in the `minio` service's
+    bucket, which `minio-init` creates before any of them starts."""
+    from tests.test_deploy import APP_SERVICES, environment, services, settings_from_env
+
+    svc = services()
+    stores = set()
+    for name in APP_SERVICES:
+        settings = settings_from_env(environment(svc[name]), monkeypatch)
+        assert settings.checkpoint_url is not None and settings.checkpoint_s3_endpoint
+        stores.add((settings.checkpoint_url, settings.checkpoint_s3_endpoint))
+        depends = svc[name]["depends_on"]
+        assert depends["minio-init"]["condition"] == "service_completed_successfully"
+    assert len(stores) == 1, stores
+    ((url, endpoint),) = stores
+    bucket = url.removeprefix("s3://").split("/")[0]
+    assert endpoint == "http://minio:9000" and "minio" in svc
+    init = " ".join(svc["minio-init"]["entrypoint"])
+    assert f"mc mb --ignore-existing fleet/{bucket}" in init
+    assert svc["minio-init"]["depends_on"]["minio"]["condition"] == "service_healthy"
+    minio_env = environment(svc["minio"])
+    app_env = environment(svc[APP_SERVICES[0]])
+    assert minio_env["MINIO_ROOT_USER"] == app_env["TRAINYARD_CHECKPOINT_S3_ACCESS_KEY_ID"]
+    assert minio_env["MINIO_ROOT_PASSWORD"] == app_env["TRAINYARD_CHECKPOINT_S3_SECRET_ACCESS_KEY"]
