@@ -279,3 +279,69 @@ def test_compose_workers_and_api_share_one_object_store(monkeypatch) -> None:
     app_env = environment(svc[APP_SERVICES[0]])
     assert minio_env["MINIO_ROOT_USER"] == app_env["TRAINYARD_CHECKPOINT_S3_ACCESS_KEY_ID"]
     assert minio_env["MINIO_ROOT_PASSWORD"] == app_env["TRAINYARD_CHECKPOINT_S3_SECRET_ACCESS_KEY"]
+
+
+@pytest.mark.torch
+async def test_cpu_workers_without_a_shared_disk_train_on_and_serve_each_others_steps(
+    serve, s3_endpoint, bucket, tmp_path, tmp_path_factory
+) -> None:
+    """One cpu worker trains two steps and stops; another, its own data directory and
+    nothing on disk from the first, trains step 3 from step 2 (loaded from the store) and
+    its gateway serves `toy@1`, fetched into its cache."""
+    import openai
+
+    from app.backends.tiny_model import make_tiny_model
+
+    base = make_tiny_model(tmp_path_factory.mktemp("storage-models") / "tiny")
+    shared = {
+        "checkpoint_url": f"s3://{bucket}/fleet",
+        "checkpoint_s3_endpoint": s3_endpoint,
+        "checkpoint_s3_region": "us-east-1",
+        "worker_enabled": True,
+        "model_roots": [base.parent],
+        **KEYS,
+    }
+    group = {
+        "trajectories": [
+            {
+                "messages_and_choices": [
+                    {"role": "user", "content": "say yes"},
+                    {"role": "assistant", "content": answer},
+                ],
+                "reward": reward,
+            }
+            for answer, reward in (("yes", 1.0), ("no", 0.0))
+        ]
+    }
+    hyperparameters = {"learning_rate": 0.05, "allow_training_without_logprobs": True}
+    body = {"model": "toy", "groups": [group], "hyperparameters": hyperparameters}
+
+    async def train(client: Any) -> int:
+        from tests.backends import wait_final
+
+        response = await client.post("/v1/training-jobs", json=body)
+        assert response.status_code == 202, response.text
+        job = await wait_final(client, response.json()["id"], timeout=120)
+        assert job["status"] == "succeeded", job
+        return int(job["result"]["final_step"])
+
+    async with serve(data_dir=tmp_path / "one", **shared) as one:
+        model = {"name": "toy", "project": "tests", "base_model": str(base), "backend": "cpu"}
+        assert (await one.client.post("/v1/models", json=model)).status_code == 201
+        assert [await train(one.client), await train(one.client)] == [1, 2]
+
+    cache = tmp_path / "two" / "checkpoint-cache" / "cpu" / "tests" / "models" / "toy"
+    async with serve(data_dir=tmp_path / "two", **shared) as two:
+        assert await train(two.client) == 3
+        assert sorted(p.name for p in (cache / "checkpoints").iterdir() if p.name.isdigit()) == [
+            "0002",
+            "0003",
+        ]  # step 2 loaded from the store to train from, step 3 written
+        listed = (await two.client.get("/v1/models/toy/checkpoints")).json()["data"]
+        assert [c["step"] for c in listed] == [3, 2, 1, 0]
+        gateway = openai.AsyncOpenAI(base_url=f"{two.url}/openai/v1", api_key="none", max_retries=0)
+        answer = await gateway.chat.completions.create(
+            model="toy@1", messages=[{"role": "user", "content": "say yes"}], max_tokens=1
+        )
+        assert answer.model == "toy@1"
+        assert (cache / "checkpoints" / "0001" / "adapter_model.safetensors").exists()
