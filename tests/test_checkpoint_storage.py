@@ -345,3 +345,26 @@ async def test_cpu_workers_without_a_shared_disk_train_on_and_serve_each_others_
         )
         assert answer.model == "toy@1"
         assert (cache / "checkpoints" / "0001" / "adapter_model.safetensors").exists()
+
+
+async def test_a_step_written_again_is_replaced_whole_for_readers(
+    s3_endpoint, bucket, tmp_path
+) -> None:
+    store = _store(s3_endpoint, bucket)
+    a, b = _worker(tmp_path / "a", store), _worker(tmp_path / "b", store)
+    model = _model()
+    with a.writing(model, 1) as partial:
+        (partial / "adapter_model.safetensors").write_bytes(b"old")
+        (partial / "optimizer.pt").write_bytes(b"state")
+    with a.writing(model, 1) as partial:
+        (partial / "adapter_model.safetensors").write_bytes(b"newer")
+    info = store.info("dry-run/p/models/m/checkpoints", 1)
+    assert info is not None and info.files == {"adapter_model.safetensors": 5}
+    fetched = b.local_step(model, 1)
+    assert fetched is not None
+    assert sorted(p.name for p in fetched.iterdir()) == ["adapter_model.safetensors"]
+    assert (fetched / "adapter_model.safetensors").read_bytes() == b"newer"
+    # replace=False keeps the step in the store, whatever this process wrote.
+    with a.writing(model, 1, replace=False) as partial:
+        (partial / "adapter_model.safetensors").write_bytes(b"other")
+    assert store.info("dry-run/p/models/m/checkpoints", 1) == info

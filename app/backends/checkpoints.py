@@ -84,6 +84,8 @@ class CheckpointDirs:
             raise
         if shelf is not None:
             try:
+                if exists:  # written again: gone for readers until whole again
+                    shelf.store.delete(key, step)
                 shelf.store.upload(key, step, final)
             except BaseException:
                 shutil.rmtree(final, ignore_errors=True)  # not in the store: no step
