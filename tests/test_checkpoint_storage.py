@@ -323,7 +323,10 @@ async def test_cpu_workers_without_a_shared_disk_train_on_and_serve_each_others_
         assert response.status_code == 202, response.text
         job = await wait_final(client, response.json()["id"], timeout=120)
         assert job["status"] == "succeeded", job
-        return int(job["result"]["final_step"])
+        step = int(job["result"]["final_step"])
+        where = f"s3://{bucket}/fleet/cpu/tests/models/toy/checkpoints/{step:04d}"
+        assert job["result"]["checkpoint_path"] == where
+        return step
 
     async with serve(data_dir=tmp_path / "one", **shared) as one:
         model = {"name": "toy", "project": "tests", "base_model": str(base), "backend": "cpu"}

@@ -106,6 +106,14 @@ class CheckpointDirs:
         except FileNotFoundError:
             return {}
 
+    def location(self, model: Named, step: int) -> str:
+        """Where the step is, as a job's result reports it: its directory, or its URL in
+        the object store (`s3://bucket/prefix/<backend>/…/checkpoints/NNNN`)."""
+        if self.shelf is not None:
+            key = self.shelf.key(self._relative(model))
+            return f"{self.shelf.store.url}/{key}/{step:04d}"
+        return str(self._dir(model) / f"{step:04d}")
+
     def local_step(self, model: Named, step: int) -> Path | None:
         """The step's directory on this machine (fetched into the cache from the store on a
         miss); None when there is no such step."""

@@ -203,7 +203,7 @@ class CpuBackend(CheckpointDirs):
                 samples.append(metrics)
                 report_gradient_step({**metrics, TOTAL_KEY: total})
             step = self.step_on_disk(model) + 1
-            checkpoint = self._dir(model) / f"{step:04d}"
+            checkpoint = self.location(model, step)
             # Like ART: a step with nothing to learn still advances, as a copy of the last.
             with self.writing(model, step) as partial:
                 policy.save(partial, step)
@@ -213,7 +213,7 @@ class CpuBackend(CheckpointDirs):
         from art.types import LocalTrainResult
 
         return LocalTrainResult(
-            step=step, metrics={**summary, **averaged}, checkpoint_path=str(checkpoint)
+            step=step, metrics={**summary, **averaged}, checkpoint_path=checkpoint
         )
 
     async def _train_sft(self, *args: Any, **kwargs: Any) -> AsyncIterator[dict[str, float]]:

@@ -113,14 +113,14 @@ class DryRunBackend(CheckpointDirs):
             await asyncio.sleep(config.seconds_per_step)
             report_gradient_step({TOTAL_KEY: total, "loss/train": 0.0, "step": index + 1})
         step = self.step_on_disk(model) + 1
-        checkpoint = self._dir(model) / f"{step:04d}"
+        checkpoint = self.location(model, step)
         manifest = {"metrics": metrics, "hyperparameters": kwargs}
         with self.writing(model, step) as partial:
             (partial / "manifest.json").write_text(json.dumps(manifest, sort_keys=True))
         await asyncio.sleep(config.seconds_after_step)
         from art.types import LocalTrainResult
 
-        return LocalTrainResult(step=step, metrics=metrics, checkpoint_path=str(checkpoint))
+        return LocalTrainResult(step=step, metrics=metrics, checkpoint_path=checkpoint)
 
     async def _train_sft(self, *args: Any, **kwargs: Any) -> AsyncIterator[dict[str, float]]:
         raise NotImplementedError("the dry-run backend does not do SFT")
