@@ -154,7 +154,7 @@ class Settings(BaseSettings):
     checkpoint_s3_access_key_id: str | None = Field(
         default=None,
         description="Access key id. Empty: `AWS_ACCESS_KEY_ID` and the rest of "
-        "the AWS environment (profile, instance role).",
+        "the AWS environment (`AWS_*` variables, an instance, task or web-identity role).",
     )
     checkpoint_s3_secret_access_key: SecretStr | None = Field(
         default=None, description="Secret access key. Empty: `AWS_SECRET_ACCESS_KEY`."
