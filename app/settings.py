@@ -5,6 +5,7 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -135,6 +136,36 @@ class Settings(BaseSettings):
         default=DEFAULT_DATA_DIR,
         description="Where the embedded database and backend checkpoints live.",
     )
+    checkpoint_url: str | None = Field(
+        default=None,
+        description="Where the cpu and dry-run backends keep checkpoints. Empty: under "
+        "<data_dir> (one machine). An absolute directory or `file:///dir`: that directory "
+        "(e.g. a volume every worker mounts). `s3://bucket/prefix`: an S3-compatible object "
+        "store every worker and API process reads and writes; each keeps a local cache.",
+    )
+    checkpoint_s3_endpoint: str | None = Field(
+        default=None,
+        description="The object store's endpoint, e.g. `http://minio:9000`. Empty: AWS S3 "
+        "(or `AWS_ENDPOINT_URL`).",
+    )
+    checkpoint_s3_region: str | None = Field(
+        default=None, description="The bucket's region. Empty: `AWS_REGION`, else us-east-1."
+    )
+    checkpoint_s3_access_key_id: str | None = Field(
+        default=None,
+        description="Access key id. Empty: `AWS_ACCESS_KEY_ID` and the rest of "
+        "the AWS environment (`AWS_*` variables, an instance, task or web-identity role).",
+    )
+    checkpoint_s3_secret_access_key: SecretStr | None = Field(
+        default=None, description="Secret access key. Empty: `AWS_SECRET_ACCESS_KEY`."
+    )
+    checkpoint_cache_bytes: int = Field(
+        default=20 * 1024**3,
+        ge=0,
+        description="With an `s3://` checkpoint URL: how many bytes of checkpoints a process "
+        "keeps in `<data_dir>/checkpoint-cache` (what it wrote or loaded); the least "
+        "recently used steps are evicted first, never the one in use.",
+    )
     demo_model: bool = Field(
         default=False,
         description="At start, make a tiny model under <data_dir>/tiny-model and register it "
@@ -240,6 +271,32 @@ class Settings(BaseSettings):
         """Where cpu models may load from: the data directory and `model_roots`, absolute."""
         return [Path(root).absolute() for root in (self.data_dir, *self.model_roots)]
 
+    @field_validator(
+        "checkpoint_url",
+        "checkpoint_s3_endpoint",
+        "checkpoint_s3_region",
+        "checkpoint_s3_access_key_id",
+        "checkpoint_s3_secret_access_key",
+        mode="before",
+    )
+    @classmethod
+    def _empty_is_none(cls, value: object) -> object:
+        return None if value == "" else value
+
+    @field_validator("checkpoint_url")
+    @classmethod
+    def _checkpoint_url(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_checkpoint_url(value)
+        return value
+
+    @field_validator("checkpoint_s3_endpoint")
+    @classmethod
+    def _endpoint(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("http://", "https://")):
+            raise ValueError("an http:// or https:// URL")
+        return value
+
     @field_validator("egress_allow", "egress_deny")
     @classmethod
     def _destinations(cls, value: list[str]) -> list[str]:
@@ -258,6 +315,28 @@ class Settings(BaseSettings):
         if not self.database_url:
             self.database_url = f"sqlite+aiosqlite:///{self.data_dir / 'trainyard.db'}"
         return self
+
+
+def parse_checkpoint_url(url: str) -> tuple[Literal["file", "s3"], str, str]:
+    """(scheme, location, prefix): `file`, the directory, "" for a local directory (an
+    absolute path or `file:///dir`); `s3`, the bucket, the key prefix for an object store.
+    Raises ValueError naming what a URL must be."""
+    if url.startswith("/"):
+        return "file", url, ""
+    parts = urlsplit(url)
+    if parts.scheme == "file":
+        if parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):
+            raise ValueError(f"{url!r}: a file URL names an absolute directory (file:///dir)")
+        return "file", parts.path, ""
+    if parts.scheme == "s3":
+        if not parts.netloc:
+            raise ValueError(f"{url!r}: an s3 URL names a bucket (s3://bucket/prefix)")
+        if parts.query or parts.fragment:
+            raise ValueError(f"{url!r}: an s3 URL has no query or fragment")
+        return "s3", parts.netloc, parts.path.strip("/")
+    raise ValueError(
+        f"{url!r}: a checkpoint URL is an absolute directory, file:///dir or s3://bucket/prefix"
+    )
 
 
 @lru_cache

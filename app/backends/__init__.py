@@ -13,6 +13,7 @@ from app.backends.base import BackendError, ModelSpec, TrainerAdapter, trainable
 from app.backends.cpu import CpuBackend, CpuConfig, CpuHyperparameters
 from app.backends.dry_run import DryRunBackend, DryRunConfig
 from app.backends.hyperparameters import ArtLocalHyperparameters, ArtServerlessHyperparameters
+from app.backends.storage import Storage
 from app.settings import Settings
 
 if TYPE_CHECKING:
@@ -32,6 +33,22 @@ class BackendSpec:
     """Whether the backend serves models for inference from the worker's process."""
 
 
+def _dry_run(settings: Settings) -> DryRunBackend:
+    path, shelf = Storage(settings).place("dry-run")
+    return DryRunBackend(path, shelf=shelf)
+
+
+def _cpu(settings: Settings) -> CpuBackend:
+    path, shelf = Storage(settings).place("cpu")
+    return CpuBackend(
+        path,
+        shelf=shelf,
+        model_roots=settings.allowed_model_roots(),
+        host=settings.cpu_inference_host,
+        port=settings.cpu_inference_port,
+    )
+
+
 def _model_with_config(spec: ModelSpec, config: BaseModel) -> art.TrainableModel:
     return trainable_model(spec, config=config)
 
@@ -43,7 +60,7 @@ SPECS: dict[str, BackendSpec] = {
         "weights; for wiring, demos and benchmarks without a GPU.",
         hyperparameters=ArtLocalHyperparameters,
         config=DryRunConfig,
-        create=lambda settings: DryRunBackend(settings.data_dir / "dry-run"),
+        create=lambda settings: _dry_run(settings),
         trainable_model=_model_with_config,
     ),
     "cpu": BackendSpec(
@@ -52,12 +69,7 @@ SPECS: dict[str, BackendSpec] = {
         "over a local causal LM, on CPU, serving `name@step` with logprobs. For small models.",
         hyperparameters=CpuHyperparameters,
         config=CpuConfig,
-        create=lambda settings: CpuBackend(
-            settings.data_dir / "cpu",
-            model_roots=settings.allowed_model_roots(),
-            host=settings.cpu_inference_host,
-            port=settings.cpu_inference_port,
-        ),
+        create=lambda settings: _cpu(settings),
         trainable_model=_model_with_config,
         serves=True,
     ),

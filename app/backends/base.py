@@ -213,6 +213,10 @@ class TrainerAdapter:
         except Exception as exc:
             raise classify(exc) from exc
 
+    def checkpoint_dirs(self) -> CheckpointDirs | None:
+        """Our own backends' checkpoints (local or in the object store); None for ART's."""
+        return self.backend if isinstance(self.backend, CheckpointDirs) else None
+
     def checkpoints_dir(self, spec: ModelSpec) -> Path | None:
         """Where the backend keeps the model's checkpoints on this machine (one `{step:04d}`
         directory per step), or None when it keeps none here (art-serverless)."""

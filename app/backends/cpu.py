@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from app.backends.base import TOTAL_KEY, report_gradient_step
 from app.backends.checkpoints import CheckpointDirs
+from app.backends.storage import Shelf
 
 if TYPE_CHECKING:
     import art
@@ -79,11 +80,12 @@ class CpuBackend(CheckpointDirs):
         self,
         path: Path,
         *,
+        shelf: Shelf | None = None,
         model_roots: Sequence[Path],
         host: str = "127.0.0.1",
         port: int = 0,
     ) -> None:
-        super().__init__(path)
+        super().__init__(path, shelf=shelf)
         self.host, self.port = host, port
         self.model_roots = list(model_roots)
         self._policies: dict[str, Any] = {}
@@ -129,16 +131,17 @@ class CpuBackend(CheckpointDirs):
         self._policies[model.name] = (model, policy)
 
     def checkpoint(self, model: art.Model, step: int) -> Path | None:
-        """The directory of `step`'s adapter, if it is on disk."""
-        path = self._dir(model) / f"{step:04d}"
-        return path if (path / "adapter_model.safetensors").exists() else None
+        """The directory of `step`'s adapter, if there is one (fetched from the object store
+        into this worker's cache on a miss)."""
+        path = self.local_step(model, step)
+        return path if path is not None and (path / "adapter_model.safetensors").exists() else None
 
     def sync(self, model: art.Model, policy: Any) -> bool:
         """Load the newest checkpoint on disk if the adapter in memory is older (another
         worker process trained it, or this one restarted). Call with `policy.lock` held."""
         step = self.step_on_disk(model)
-        checkpoint = self._dir(model) / f"{step:04d}"
-        if not (checkpoint / "adapter_model.safetensors").exists():
+        checkpoint = self.checkpoint(model, step)
+        if checkpoint is None:
             return False
         if step != policy.loaded_step:
             policy.load(checkpoint, step)
@@ -200,7 +203,7 @@ class CpuBackend(CheckpointDirs):
                 samples.append(metrics)
                 report_gradient_step({**metrics, TOTAL_KEY: total})
             step = self.step_on_disk(model) + 1
-            checkpoint = self._dir(model) / f"{step:04d}"
+            checkpoint = self.location(model, step)
             # Like ART: a step with nothing to learn still advances, as a copy of the last.
             with self.writing(model, step) as partial:
                 policy.save(partial, step)
@@ -210,7 +213,7 @@ class CpuBackend(CheckpointDirs):
         from art.types import LocalTrainResult
 
         return LocalTrainResult(
-            step=step, metrics={**summary, **averaged}, checkpoint_path=str(checkpoint)
+            step=step, metrics={**summary, **averaged}, checkpoint_path=checkpoint
         )
 
     async def _train_sft(self, *args: Any, **kwargs: Any) -> AsyncIterator[dict[str, float]]:

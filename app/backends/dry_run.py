@@ -11,12 +11,14 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Iterable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field
 
 from app.backends.base import TOTAL_KEY, report_gradient_step
 from app.backends.checkpoints import CheckpointDirs
+from app.backends.storage import Shelf
 
 if TYPE_CHECKING:
     import art
@@ -58,6 +60,12 @@ def _choice_tokens(trajectory: art.Trajectory) -> int:
 class DryRunBackend(CheckpointDirs):
     """Satisfies `art.Backend` (0.5.18) structurally, as ART's own backends do in 0.5.23."""
 
+    _registered: set[str]
+
+    def __init__(self, path: Path, *, shelf: Shelf | None = None) -> None:
+        super().__init__(path, shelf=shelf)
+        self._registered = set()
+
     def _config(self, model: art.Model) -> DryRunConfig:
         config = model.config
         return config if isinstance(config, DryRunConfig) else DryRunConfig()
@@ -66,7 +74,15 @@ class DryRunBackend(CheckpointDirs):
         return None
 
     async def register(self, model: art.Model) -> None:
-        (self._dir(model) / "0000").mkdir(parents=True, exist_ok=True)
+        if self.shelf is None:
+            (self._dir(model) / "0000").mkdir(parents=True, exist_ok=True)
+        elif model.name not in self._registered:  # step 0 in the store, once per process
+            await asyncio.to_thread(self._write_step_zero, model)
+            self._registered.add(model.name)
+
+    def _write_step_zero(self, model: art.Model) -> None:
+        with self.writing(model, 0, replace=False):
+            pass
 
     async def _prepare_backend_for_training(
         self, model: art.TrainableModel, config: Any = None
@@ -97,14 +113,14 @@ class DryRunBackend(CheckpointDirs):
             await asyncio.sleep(config.seconds_per_step)
             report_gradient_step({TOTAL_KEY: total, "loss/train": 0.0, "step": index + 1})
         step = self.step_on_disk(model) + 1
-        checkpoint = self._dir(model) / f"{step:04d}"
+        checkpoint = self.location(model, step)
         manifest = {"metrics": metrics, "hyperparameters": kwargs}
         with self.writing(model, step) as partial:
             (partial / "manifest.json").write_text(json.dumps(manifest, sort_keys=True))
         await asyncio.sleep(config.seconds_after_step)
         from art.types import LocalTrainResult
 
-        return LocalTrainResult(step=step, metrics=metrics, checkpoint_path=str(checkpoint))
+        return LocalTrainResult(step=step, metrics=metrics, checkpoint_path=checkpoint)
 
     async def _train_sft(self, *args: Any, **kwargs: Any) -> AsyncIterator[dict[str, float]]:
         raise NotImplementedError("the dry-run backend does not do SFT")

@@ -2,7 +2,9 @@
 
 The source of truth is what the model's backend keeps on disk (one `{step:04d}` directory
 per step, `TrainerAdapter.checkpoints_dir`), joined with the succeeded training jobs that
-made each step (`final_step`, `metrics`). Aliases and retention policies are rows.
+made each step (`final_step`, `metrics`). Aliases and retention policies are rows. With an
+object store (`TRAINYARD_CHECKPOINT_URL=s3://…`) "on disk" means in the store: listed from
+its manifests, exported through this process's cache.
 
 A step is **protected** (`protected`): deleting it is refused with 409, and retention never
 deletes it, while any of these holds:
@@ -26,6 +28,7 @@ import logging
 import math
 from collections import defaultdict
 from collections.abc import Collection, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Literal
@@ -35,6 +38,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 from app.backends import Backends
 from app.backends.base import BackendError, ModelSpec, TrainerAdapter
+from app.backends.checkpoints import CheckpointDirs
 from app.checkpoints import disk
 from app.db import begin_write
 from app.errors import (
@@ -90,13 +94,42 @@ def _error(location: Literal["path", "body"], path: str, message: str, kind: str
 
 @dataclass(frozen=True)
 class Place:
+    """Where a model's checkpoints are: a local directory, or (`shelved`) an object store
+    with this process's cache of it in `directory`."""
+
     row: ModelRow
     spec: ModelSpec
     adapter: TrainerAdapter
     directory: Path
 
+    @property
+    def shelved(self) -> CheckpointDirs | None:
+        dirs = self.adapter.checkpoint_dirs()
+        return dirs if dirs is not None and dirs.shelf is not None else None
+
     async def steps(self) -> dict[int, Path]:
-        return await asyncio.to_thread(disk.steps, self.directory)
+        """The complete steps, by step: their directories here (with an object store,
+        where the cache keeps them, whether it holds them now or not)."""
+        dirs = self.shelved
+        if dirs is None:
+            return await asyncio.to_thread(disk.steps, self.directory)
+        steps = await asyncio.to_thread(dirs.steps, self.spec)
+        return {step: self.directory / f"{step:04d}" for step in steps}
+
+    def stat(self, step: int, path: Path) -> disk.Stat | None:
+        """Size and time of a step (synchronous: call in a thread); None: it is gone."""
+        dirs = self.shelved
+        if dirs is None or dirs.shelf is None:
+            return disk.stat(path)
+        info = dirs.shelf.store.info(dirs.shelf.key(dirs._relative(self.spec)), step)
+        return None if info is None else disk.Stat(info.size_bytes, info.written_at)
+
+    async def local(self, step: int, path: Path) -> Path | None:
+        """The step's directory on this machine (fetched into the cache on a miss)."""
+        dirs = self.shelved
+        if dirs is None:
+            return path
+        return await asyncio.to_thread(dirs.local_step, self.spec, step)
 
 
 async def _model(session: AsyncSession, name: str, *, lock: bool = False) -> ModelRow:
@@ -296,7 +329,7 @@ async def _describe(
         names[row.step].append(row.alias)
     jobs = await _jobs_by_step(session, name, page)
     validated = await _validations_by_step(session, name, page)
-    stats = await asyncio.to_thread(lambda: {step: disk.stat(on_disk[step]) for step in page})
+    stats = await asyncio.to_thread(_stats, place, on_disk, page)
     checkpoints = []
     for step in page:
         stat = stats[step]
@@ -315,6 +348,14 @@ async def _describe(
             )
         )
     return checkpoints
+
+
+def _stats(place: Place, on_disk: dict[int, Path], page: list[int]) -> dict[int, disk.Stat | None]:
+    """Each step's size and time: from disk, or a manifest GET each (eight at a time)."""
+    if len(page) < 2 or place.shelved is None:
+        return {s: place.stat(s, on_disk[s]) for s in page}
+    with ThreadPoolExecutor(min(8, len(page))) as pool:
+        return dict(zip(page, pool.map(lambda s: place.stat(s, on_disk[s]), page), strict=True))
 
 
 async def list_checkpoints(
@@ -576,10 +617,13 @@ async def export(
 ) -> Export:
     """The step's adapter (adapter_config.json + adapter_model.safetensors, no optimizer
     state) in a `{name}-step{NNNN}/` folder of a tar.gz or zip archive."""
-    _, on_disk = await _locate(session, backends, name)
+    place, on_disk = await _locate(session, backends, name)
     if step not in on_disk:
         raise NotFoundError(f"no checkpoint of step {step}", errors=[_missing_step(name, step)])
-    files = await asyncio.to_thread(disk.open_adapter, on_disk[step])
+    local = await place.local(step, on_disk[step])
+    if local is None:  # deleted meanwhile
+        raise NotFoundError(f"no checkpoint of step {step}", errors=[_missing_step(name, step)])
+    files = await asyncio.to_thread(disk.open_adapter, local)
     if files is None:
         raise NoAdapterError(
             f"step {step} of {name!r} holds no adapter ({' + '.join(disk.ADAPTER_FILES)}): "
