@@ -12,9 +12,12 @@ against the real Postgres, with jobs in several pools and states.
 from __future__ import annotations
 
 import copy
+import json
 import os
+import re
 import shutil
 import subprocess
+import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -531,3 +534,48 @@ async def test_keda_queries_count_their_pools_jobs_on_postgres(
         await engine.dispose()
     assert counts == {"default": expected_count("default"), "gpu": expected_count("gpu")}
     assert counts == {"default": 4, "gpu": 6}
+
+
+# --------------------------------------------------------------------------- README
+
+
+def readme_overlay() -> tuple[str, str]:
+    """The README's own overlay (Deploy, step 3): its kustomization and its secrets."""
+    section = (ROOT / "README.md").read_text().split("\n### Kubernetes\n", 1)[1]
+    section = section.split("\n### ", 1)[0]
+    blocks = [textwrap.dedent(b) for b in re.findall(r"```yaml\n(.*?)\n\s*```", section, re.S)]
+    kustomization, secrets = blocks
+    return kustomization, secrets
+
+
+def test_the_readme_overlay_renders_and_replaces_images_and_secrets(tmp_path: Path) -> None:
+    kustomization, secrets = readme_overlay()
+    (tmp_path / "trainyard").symlink_to(ROOT)
+    fleet = tmp_path / "my-fleet"
+    fleet.mkdir()
+    (fleet / "kustomization.yaml").write_text(kustomization)
+    (fleet / "secrets.yaml").write_text(secrets)
+    done = subprocess.run(
+        [kubectl(), "kustomize", str(fleet)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    objects = [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+    assert {(o["kind"], o["metadata"]["name"]) for o in objects} == {
+        (o["kind"], o["metadata"]["name"]) for o in render("gpu")
+    }
+    images = {
+        c["image"]
+        for d in of_kind(objects, "Deployment").values()
+        if d["metadata"]["labels"].get("app.kubernetes.io/component") != "serving"
+        for c in containers(d)
+    }
+    assert images == {
+        "registry.example.com/trainyard:1.0",
+        "registry.example.com/trainyard-gpu:1.0",
+    }
+    written = {s["metadata"]["name"]: s for s in yaml.safe_load_all(secrets)}
+    rendered_secrets = of_kind(objects, "Secret")
+    assert set(written) == set(rendered_secrets)
+    for name, secret in written.items():
+        assert rendered_secrets[name]["stringData"] == secret["stringData"], name
+        assert "CHANGE-ME" not in json.dumps(rendered_secrets[name])
