@@ -369,7 +369,8 @@ def test_worker_pools(rendered: dict[str, list[dict[str, Any]]]) -> None:
     assert resources["limits"]["nvidia.com/gpu"] == 1
     assert resources["requests"]["nvidia.com/gpu"] == 1
     spec = pod_spec(gpu["worker"])
-    assert spec["nodeSelector"]
+    # Placed on the GPU class its label names.
+    assert spec["nodeSelector"]["nvidia.com/gpu.product"] == "NVIDIA-H200"
     assert any(t["key"] == "nvidia.com/gpu" for t in spec["tolerations"])
     assert gpu["scaled"]["spec"]["minReplicaCount"] == 0, "GPU pools scale to zero"
     # A GPU step (and a drain) takes longer than a cpu one.
