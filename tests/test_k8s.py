@@ -580,3 +580,24 @@ def test_the_readme_overlay_renders_and_replaces_images_and_secrets(tmp_path: Pa
     for name, secret in written.items():
         assert rendered_secrets[name]["stringData"] == secret["stringData"], name
         assert "CHANGE-ME" not in json.dumps(rendered_secrets[name])
+
+
+def same_database(trainyard_url: str, keda_url: str) -> bool:
+    """Whether the SQLAlchemy URL Trainyard uses and the libpq URL KEDA uses name one
+    database (host, port, database, user)."""
+    from sqlalchemy.engine import make_url
+
+    ours, theirs = make_url(trainyard_url), make_url(keda_url)
+    assert ours.drivername == "postgresql+asyncpg" and theirs.drivername == "postgresql"
+    fields = ("host", "port", "database", "username")
+    return all(getattr(ours, f) == getattr(theirs, f) for f in fields)
+
+
+def test_keda_watches_the_database_trainyard_uses() -> None:
+    secrets = of_kind(render("cpu-only"), "Secret")["trainyard-database"]["stringData"]
+    assert same_database(secrets["database-url"], secrets["keda-connection"])
+    _, readme = readme_overlay()
+    written = {s["metadata"]["name"]: s for s in yaml.safe_load_all(readme)}
+    data = written["trainyard-database"]["stringData"]
+    assert same_database(data["database-url"], data["keda-connection"])
+    assert not same_database(data["database-url"], data["keda-connection"].replace("5432", "5433"))
