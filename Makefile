@@ -10,6 +10,8 @@ PY312     ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12
 ART_STAMP := .venv-art/.installed
 NAT_VENV  ?= .venv-nat
 NAT_STAMP := $(NAT_VENV)/.installed
+SKY_VENV  ?= .venv-sky
+SKY_STAMP := $(SKY_VENV)/.installed
 
 .PHONY: run test test-312 lint typecheck check openapi bench bench-compare clean
 
@@ -48,6 +50,15 @@ $(NAT_STAMP): constraints-nat.txt clients/python/pyproject.toml
 	@$(NAT_VENV)/bin/python -c 'import importlib.util, sys; sys.exit("torch got into $(NAT_VENV)") if importlib.util.find_spec("torch") else None'
 	@touch $(NAT_STAMP)
 
+# SkyPilot in an environment of its own (it pins click < 8.2 and uvicorn < 0.36; the server
+# has newer ones): tests/test_skypilot.py loads deploy/skypilot/worker-gpu.yaml with it.
+# constraints-sky.txt is this environment's `pip freeze`.
+$(SKY_STAMP): constraints-sky.txt
+	$(PYTHON) -m venv $(SKY_VENV)
+	$(SKY_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(SKY_VENV)/bin/python -m pip install --quiet -c constraints-sky.txt skypilot==0.14.1
+	@touch $(SKY_STAMP)
+
 ## Serve the API and an in-process worker on http://127.0.0.1:8000 (embedded SQLite), with
 ## a tiny model registered as `demo` on the cpu backend (TRAINYARD_DEMO_MODEL=false: none).
 run: $(STAMP)
@@ -56,7 +67,7 @@ run: $(STAMP)
 
 ## Run the whole test suite (SQLite; also Postgres when TRAINYARD_TEST_DATABASE_URL is set),
 ## with the environments the ART 0.5.23 and `nat finetune` tests run.
-test: $(STAMP) $(ART_STAMP) $(NAT_STAMP)
+test: $(STAMP) $(ART_STAMP) $(NAT_STAMP) $(SKY_STAMP)
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 
 ## The suite again on Python 3.12 with openpipe-art 0.5.23 (.venv-art), on SQLite only. It
@@ -66,7 +77,7 @@ test: $(STAMP) $(ART_STAMP) $(NAT_STAMP)
 ## and README programs; they took about 5 of the leg's 10 minutes here.
 PY312_DESELECT := tests/test_schema_fuzz.py tests/test_large_bodies.py tests/test_hostile_bodies.py \
 	tests/test_webhooks.py tests/test_edge.py tests/test_client_cli.py tests/test_client_readme.py
-test-312: $(ART_STAMP) $(NAT_STAMP)
+test-312: $(ART_STAMP) $(NAT_STAMP) $(SKY_STAMP)
 	env -u TRAINYARD_TEST_DATABASE_URL .venv-art/bin/pytest -q \
 		$(addprefix --deselect ,$(PY312_DESELECT)) $(PYTEST_ARGS)
 
@@ -93,4 +104,4 @@ bench-compare: $(STAMP)
 	$(BIN)/python -m bench.compare --against $(REV) $(BENCH_COMPARE_ARGS)
 
 clean:
-	rm -rf $(VENV) .venv-art $(NAT_VENV) var .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-art $(NAT_VENV) $(SKY_VENV) var .pytest_cache .mypy_cache .ruff_cache
