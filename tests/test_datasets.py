@@ -174,3 +174,37 @@ async def test_a_large_upload_of_many_small_messages_is_stored_whole(live: LiveS
         for split in ("train", "validation")
     }
     assert splits == expected
+
+
+@pytest.mark.parametrize(
+    ("raw", "path"),
+    [
+        (b"\xef\xbb\xbf" + good(0), "line[1]"),  # a byte order mark
+        (good(0) + b"\n" + line(expected="caf\xe9").replace(b"\\u00e9", b"\xe9"), "line[2]"),
+        (
+            good(0) + b"\n" + b'{"id": "s", "messages": [{"role": "user", "content": "\\ud800"}]}',
+            "line[2].messages[0].content",
+        ),
+        (
+            good(0) + b"\n" + b'{"id": "n", "messages": [{"role": "user"}], "expected": NaN}',
+            "line[2].expected",
+        ),
+        (
+            good(0)
+            + b"\n"
+            + b'{"id": "d", "messages": [{"role": "user"}], "expected": '
+            + b"[" * 400
+            + b"]" * 400
+            + b"}",
+            "line[2].expected",
+        ),
+    ],
+    ids=["bom", "latin-1 bytes", "lone surrogate", "NaN", "400 levels"],
+)
+async def test_text_the_worker_could_not_read_names_its_line(
+    live: LiveServer, raw: bytes, path: str
+) -> None:
+    response = await live.client.post("/v1/datasets?name=text", content=raw, headers=JSONL)
+    assert response.status_code == 422, response.text
+    assert response.json()["errors"][0]["path"].startswith(path), response.json()
+    assert await datasets(live) == []
