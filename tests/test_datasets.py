@@ -5,10 +5,13 @@ field and storing nothing; a large upload read off the event loop is stored whol
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from app.backends.tiny_model import make_tiny_model
 from app.datasets import INLINE_BYTES, load_splits
 from tests.conftest import LiveServer
 
@@ -208,3 +211,35 @@ async def test_text_the_worker_could_not_read_names_its_line(
     assert response.status_code == 422, response.text
     assert response.json()["errors"][0]["path"].startswith(path), response.json()
     assert await datasets(live) == []
+
+
+@pytest.mark.torch
+async def test_a_runs_inline_examples_are_checked_as_a_datasets_lines(
+    serve: Callable[..., LiveServer], tmp_path: Path
+) -> None:
+    model = make_tiny_model(tmp_path / "models" / "tiny")
+    async with serve(model_roots=[model.parent], demo_model=True) as live:
+        examples = [
+            {"id": "a", "messages": USER, "expected": "1"},
+            {"id": "b", "messages": USER, "expected": "1", "split": ".."},
+            {"id": "a", "messages": USER, "expected": "1"},
+            {"id": "c" * 300, "messages": USER, "expected": "1"},
+            {"id": "d", "messages": [{"role": "assistant", "content": "1"}], "expected": "1"},
+        ]
+        body = {
+            "model": "demo",
+            "examples": examples,
+            "recipe": {"num_generations": 2, "grader": {"type": "exact_match"}},
+            "schedule": {"max_steps": 1},
+        }
+        response = await live.client.post("/v1/runs", json=body)
+        assert response.status_code == 422, response.text
+        paths = [e["path"] for e in response.json()["errors"]]
+        assert paths == ["examples[1].split", "examples[3].id", "examples[4].messages"]
+        del examples[4], examples[3], examples[1]
+        twice = await live.client.post("/v1/runs", json=body)
+        assert twice.status_code == 422, twice.text
+        assert [(e["path"], e["type"]) for e in twice.json()["errors"]] == [
+            ("examples[1].id", "duplicate_id")
+        ]
+        assert (await live.client.get("/v1/runs")).json()["data"] == []

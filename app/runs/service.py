@@ -101,6 +101,12 @@ def _split_errors(
     validation = (ref.validation_split if ref else "validation") if body.validation else None
     at = ("dataset",) if ref else ("examples",)
     errors: list[dict[str, Any]] = []
+    first_at: dict[str, int] = {}  # inline examples' ids are unique, as a dataset's are
+    for i, example in enumerate(body.examples or ()):
+        first = first_at.setdefault(str(example.id), i)
+        if first != i:
+            msg = f"the id of examples[{first}] again; ids are unique in a run's examples"
+            errors.append({"loc": ("examples", i, "id"), "msg": msg, "type": "duplicate_id"})
     for name, field in ((train, "train_split"), (validation, "validation_split")):
         if name is not None and not splits.get(name):
             loc = (*at, field) if ref else at
