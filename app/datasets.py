@@ -4,6 +4,11 @@ An upload is read a line at a time: each line is parsed strictly (`app.jsontext`
 validated as a `DatasetExample`, and every error names its line (`line[3].messages[0]
 .role`, lines counted from 1). Nothing is stored unless every line is valid. The same
 bytes uploaded again under the same name give back the dataset stored the first time.
+
+A large upload takes the path of large JSON bodies (`app.api.body.off_the_loop`): read,
+checked, encoded and compressed in one thread with the garbage collector paused, each
+line parsed a piece at a time and validated alone, what the lines were parsed into freed
+in the background; the event loop gets back a few bytes objects (`Prepared`).
 """
 
 from __future__ import annotations
@@ -23,7 +28,14 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from app import jsontext
 from app.db import begin_write, utcnow
-from app.errors import ConflictError, InvalidInputError, NotFoundError, format_path
+from app.errors import (
+    ConflictError,
+    InvalidInputError,
+    NotFoundError,
+    ProblemError,
+    format_path,
+)
+from app.freeing import dispose
 from app.jobs.payloads import compress, decompress
 from app.models import DatasetRow, JobRow
 from app.schemas.common import FieldError
@@ -31,24 +43,66 @@ from app.schemas.runs import Dataset, DatasetExample
 
 MAX_EXAMPLES = 100_000
 MAX_ERRORS = 100
-THREAD_BYTES = 256 * 1024  # uploads above this are read in a thread
-THREAD_EXAMPLES = 500  # datasets above this are encoded in a thread
+INLINE_BYTES = 64 * 1024  # uploads above this are read in a thread (as JSON bodies are)
+THREAD_BYTES = 256 * 1024  # stored datasets above this are decoded in a thread
 
 
 @dataclass(frozen=True)
-class Parsed:
-    """A valid upload: its splits' examples (as stored) and its hash."""
+class Prepared:
+    """A valid upload as it is stored: its examples by split, encoded and compressed, and
+    what the dataset says of them. Nothing in it is large in objects (a few bytes
+    objects), so nothing of it holds the event loop when it is kept or freed."""
 
-    splits: dict[str, list[dict[str, Any]]]
     sha256: str
     num_examples: int
+    splits: dict[str, int]  # examples per split
+    payload: bytes  # the compressed document (`jsontext.dumps_bytes` of the splits)
+    payload_bytes: int  # the document's size
 
 
-def parse_jsonl(raw: bytes, *, max_depth: int) -> Parsed:
-    """Every line checked; raises InvalidInputError naming each bad line (at most
-    MAX_ERRORS). Blank lines are skipped; a final line without a newline counts."""
+def read_jsonl(raw: bytes, *, max_depth: int) -> Prepared | ProblemError:
+    """An upload read, checked and encoded (`parse_jsonl`, then `_encode`), or the problem
+    to answer: returned, not raised, so that no exception carries this thread's frames
+    (and the parsed lines with them) to the event loop. A large upload is read in a
+    thread (`app.api.body.off_the_loop`, the path of large JSON bodies); what its lines
+    were parsed into is freed in the background, a little at a time (`app.freeing`)."""
+    trash: list[Any] = []
+    try:
+        return _prepare(raw, max_depth, trash)
+    except InvalidInputError as problem:
+        problem.__traceback__ = None  # its frames, and what they hold, go now
+        return problem
+    finally:
+        # No frame that held the parsed lines is left: the disposer frees all of them.
+        if len(raw) > INLINE_BYTES:
+            dispose(trash)
+
+
+def _prepare(raw: bytes, max_depth: int, trash: list[Any]) -> Prepared:
+    splits = parse_jsonl(raw, max_depth=max_depth, trash=trash)
+    document, payload = _encode(splits)
+    return Prepared(
+        sha256=hashlib.sha256(raw).hexdigest(),
+        num_examples=sum(len(items) for items in splits.values()),
+        splits={split: len(items) for split, items in splits.items()},
+        payload=payload,
+        payload_bytes=len(document),
+    )
+
+
+def parse_jsonl(
+    raw: bytes, *, max_depth: int, trash: list[Any] | None = None
+) -> dict[str, list[dict[str, Any]]]:
+    """Every line checked; the examples by split, as stored. Raises InvalidInputError
+    naming each bad line (at most MAX_ERRORS). Blank lines are skipped; a final line
+    without a newline counts. Each line is parsed strictly (`app.jsontext`, a piece at a
+    time) and validated alone, so no call holds the GIL for long; an example's `id` is
+    unique in the upload. What is parsed goes to `trash` too (the caller frees it)."""
     errors: list[FieldError] = []
     splits: dict[str, list[dict[str, Any]]] = {}
+    if trash is not None:
+        trash.append(splits)
+    seen: dict[str | int, int] = {}  # an id (as text) -> the line it is first on
     count = 0
     for number, line in enumerate(_lines(raw), start=1):
         if not line.strip():
@@ -70,8 +124,21 @@ def parse_jsonl(raw: bytes, *, max_depth: int) -> Parsed:
             for err in exc.errors(include_url=False)[:5]:
                 errors.append(_error(number, err["loc"], err["msg"], err["type"]))
         else:
-            stored = example.model_dump(mode="json", exclude={"split"})
-            splits.setdefault(example.split, []).append(stored)
+            key = str(example.id)
+            first_on = seen.setdefault(key, number)
+            if first_on != number:
+                errors.append(
+                    _error(
+                        number,
+                        ("id",),
+                        f"the id {_shown(key)} is already the id of line {first_on}; "
+                        "ids are unique in a dataset",
+                        "duplicate_id",
+                    )
+                )
+            else:
+                stored = example.model_dump(mode="json", exclude={"split"})
+                splits.setdefault(example.split, []).append(stored)
         if len(errors) >= MAX_ERRORS:
             break
     if not errors and count == 0:
@@ -82,7 +149,11 @@ def parse_jsonl(raw: bytes, *, max_depth: int) -> Parsed:
             f"{len(errors)} invalid line(s) in the upload{more}; nothing was stored",
             errors=errors[:MAX_ERRORS],
         )
-    return Parsed(splits, hashlib.sha256(raw).hexdigest(), count)
+    return splits
+
+
+def _shown(key: str) -> str:
+    return repr(key) if len(key) <= 40 else repr(key[:40]) + "…"
 
 
 def _lines(raw: bytes) -> Iterator[bytes]:
@@ -106,28 +177,24 @@ def new_dataset_id() -> str:
 
 
 async def create_dataset(
-    session: AsyncSession, *, name: str, parsed: Parsed
+    session: AsyncSession, *, name: str, prepared: Prepared
 ) -> tuple[Dataset, bool]:
-    """Store a parsed upload; (dataset, created). The same name and bytes as a stored
+    """Store a prepared upload; (dataset, created). The same name and bytes as a stored
     dataset: that one, not created again."""
     await begin_write(session)
     existing = await session.scalar(
-        select(DatasetRow).where(DatasetRow.name == name, DatasetRow.sha256 == parsed.sha256)
+        select(DatasetRow).where(DatasetRow.name == name, DatasetRow.sha256 == prepared.sha256)
     )
     if existing is not None:
         return to_wire(existing), False
-    if parsed.num_examples > THREAD_EXAMPLES:  # encoded off the event loop
-        document, payload = await asyncio.to_thread(_encode, parsed.splits)
-    else:
-        document, payload = _encode(parsed.splits)
     row = DatasetRow(
         id=new_dataset_id(),
         name=name,
-        sha256=parsed.sha256,
-        num_examples=parsed.num_examples,
-        splits={split: len(items) for split, items in parsed.splits.items()},
-        payload=payload,
-        payload_bytes=len(document),
+        sha256=prepared.sha256,
+        num_examples=prepared.num_examples,
+        splits=dict(prepared.splits),
+        payload=prepared.payload,
+        payload_bytes=prepared.payload_bytes,
         created_at=utcnow(),
     )
     session.add(row)

@@ -3,6 +3,7 @@ durable resource, and the datasets runs read."""
 
 from __future__ import annotations
 
+import email.message
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request, Response
@@ -12,8 +13,7 @@ from app.api.body import Reading, json_body, off_the_loop, read_json
 from app.api.deps import Cursor, IdempotencyKey, JobId, ModelFilter, Reads, Session
 from app.api.job_events import add_event_routes
 from app.edge import body_of
-from app.errors import InvalidInputError
-from app.freeing import dispose_after_response
+from app.errors import InvalidInputError, ProblemError
 from app.jobs import service as jobs_service
 from app.jobs.lifecycle import JobKind, JobStatus
 from app.runs import service
@@ -169,7 +169,8 @@ EXAMPLE_LINES = (
     '"split": "validation"}\n'
 )
 DatasetName = Annotated[
-    str, Query(pattern=r"^[A-Za-z0-9_.@-]{1,128}$", description="A name for the dataset.")
+    str,
+    Query(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,127}$", description="A name for the dataset."),
 ]
 
 
@@ -206,33 +207,51 @@ DatasetName = Annotated[
 async def upload(
     request: Request, response: Response, session: Session, name: DatasetName
 ) -> Dataset:
-    content_type = (request.headers.get("content-type") or "").split(";")[0].strip().lower()
-    if content_type not in JSONL_TYPES:
-        raise InvalidInputError(
-            "a dataset is uploaded as JSON Lines",
-            errors=[
-                FieldError(
-                    location="header",
-                    path="content-type",
-                    message=f"send one of {', '.join(JSONL_TYPES)}",
-                    type="content_type",
-                )
-            ],
-        )
+    problem = _jsonl_type_problem(request.headers.get("content-type"))
+    if problem is not None:
+        raise InvalidInputError("a dataset is uploaded as JSON Lines in UTF-8", errors=[problem])
     raw = await body_of(request)
     depth = request.app.state.settings.max_json_depth
-    if len(raw) > dataset_service.THREAD_BYTES:
-        parsed = await off_the_loop(
-            request, lambda: dataset_service.parse_jsonl(raw, max_depth=depth)
-        )
-        dispose_after_response(request.scope, parsed)
-    else:
-        parsed = dataset_service.parse_jsonl(raw, max_depth=depth)
-    dataset, created = await dataset_service.create_dataset(session, name=name, parsed=parsed)
+
+    def read() -> dataset_service.Prepared | ProblemError:
+        return dataset_service.read_jsonl(raw, max_depth=depth)
+
+    # The path of large JSON bodies (`read_json`): in a thread, the collector paused.
+    outcome = (
+        read() if len(raw) <= dataset_service.INLINE_BYTES else await off_the_loop(request, read)
+    )
+    if isinstance(outcome, ProblemError):
+        raise outcome
+    dataset, created = await dataset_service.create_dataset(session, name=name, prepared=outcome)
     await session.commit()
     response.status_code = 201 if created else 200
     response.headers["Location"] = f"/v1/datasets/{dataset.id}"
     return dataset
+
+
+def _jsonl_type_problem(content_type: str | None) -> FieldError | None:
+    """A JSON Lines media type (`JSONL_TYPES`), in UTF-8: a `charset` other than UTF-8 (or
+    its subset US-ASCII) is refused, as for JSON bodies."""
+    if (content_type or "").split(";")[0].strip().lower() not in JSONL_TYPES:
+        return FieldError(
+            location="header",
+            path="content-type",
+            message=f"send one of {', '.join(JSONL_TYPES)}",
+            type="content_type",
+        )
+    message = email.message.Message()
+    message["content-type"] = content_type or ""
+    charset = message.get_param("charset")
+    if charset is not None and (
+        not isinstance(charset, str) or charset.lower().replace("-", "") not in ("utf8", "usascii")
+    ):
+        return FieldError(
+            location="header",
+            path="content-type",
+            message=f"JSON Lines are UTF-8; this body says charset={charset}",
+            type="charset",
+        )
+    return None
 
 
 @datasets_router.get(

@@ -53,10 +53,11 @@ RUN = JobKind.run
 class Prepared:
     body: RunCreate
     request_hash: str
+    size: int = 0  # the request body's bytes
 
 
 def prepare(body: RunCreate, raw: bytes, settings: Settings) -> Prepared:
-    return Prepared(body, hashlib.sha256(raw).hexdigest())
+    return Prepared(body, hashlib.sha256(raw).hexdigest(), len(raw))
 
 
 def new_run_id() -> str:
@@ -64,18 +65,20 @@ def new_run_id() -> str:
     return f"run_{time.time_ns() // 1000:014x}{secrets.token_hex(5)}"
 
 
-# Inline examples above this count are split and encoded off the event loop.
+# Inline examples above this count, or in a body above this size, are split and encoded
+# off the event loop (a few examples of many messages each are as much work as many).
 THREAD_EXAMPLES = 500
+THREAD_BYTES = 64 * 1024
 
 
 async def _examples(
-    session: AsyncSession, body: RunCreate, errors: list[dict[str, Any]]
+    session: AsyncSession, body: RunCreate, errors: list[dict[str, Any]], *, large: bool
 ) -> tuple[dict[str, list[dict[str, Any]]], DatasetRef | None]:
     """The run's examples by split (inline or the dataset's), and the dataset reference
     with its validation split resolved."""
     if body.examples is not None:
         examples = body.examples
-        if len(examples) > THREAD_EXAMPLES:
+        if large:
             return await asyncio.to_thread(spec.split_examples, examples), None
         return spec.split_examples(examples), None
     assert body.dataset is not None
@@ -101,6 +104,12 @@ def _split_errors(
     validation = (ref.validation_split if ref else "validation") if body.validation else None
     at = ("dataset",) if ref else ("examples",)
     errors: list[dict[str, Any]] = []
+    first_at: dict[str, int] = {}  # inline examples' ids are unique, as a dataset's are
+    for i, example in enumerate(body.examples or ()):
+        first = first_at.setdefault(str(example.id), i)
+        if first != i:
+            msg = f"the id of examples[{first}] again; ids are unique in a run's examples"
+            errors.append({"loc": ("examples", i, "id"), "msg": msg, "type": "duplicate_id"})
     for name, field in ((train, "train_split"), (validation, "validation_split")):
         if name is not None and not splits.get(name):
             loc = (*at, field) if ref else at
@@ -163,7 +172,8 @@ async def create_run(
         await ensure_model_free(session, model.name)
     policy = EgressPolicy.from_settings(settings)
     errors += refused_destinations(body.recipe.agent, body.recipe.grader, policy, at=("recipe",))
-    splits, ref = await _examples(session, body, errors)
+    large = len(body.examples or ()) > THREAD_EXAMPLES or job.size > THREAD_BYTES
+    splits, ref = await _examples(session, body, errors, large=large)
     if not errors:
         errors += _split_errors(body, splits, ref)
     if errors:
@@ -182,7 +192,7 @@ async def create_run(
         dataset=ref,
         examples=splits if body.examples is not None else None,
     )
-    if len(body.examples or ()) > THREAD_EXAMPLES:
+    if large:
         payload = await asyncio.to_thread(spec.encode, stored)
     else:
         payload = spec.encode(stored)
