@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from bench import api_start, cpu_step, fanout, ingest, queue, reads, runs
+from bench import api_start, cpu_step, fanout, ingest, queue, reads, runs, stalls
 
 
 def main() -> None:
@@ -12,6 +12,7 @@ def main() -> None:
     api_start.run()
     reads.run()
     ingest.run()
+    stalls.run()
     asyncio.run(queue.main())
     asyncio.run(cpu_step.run())
     asyncio.run(fanout.run())
