@@ -4,7 +4,18 @@ from __future__ import annotations
 
 import asyncio
 
-from bench import api_start, checkpoints, cpu_step, fanout, ingest, queue, reads, runs, uploads
+from bench import (
+    api_start,
+    checkpoints,
+    cpu_step,
+    fanout,
+    ingest,
+    queue,
+    reads,
+    runs,
+    stalls,
+    uploads,
+)
 
 
 def main() -> None:
@@ -13,6 +24,7 @@ def main() -> None:
     reads.run()
     ingest.run()
     uploads.run()
+    stalls.run()
     asyncio.run(queue.main())
     asyncio.run(cpu_step.run())
     asyncio.run(fanout.run())

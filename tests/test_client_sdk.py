@@ -550,5 +550,5 @@ async def test_wait_times_out_and_a_queued_job_cancels(serve: Callable[..., Live
                 return took, cancelled, client.training_jobs.wait(job["id"], timeout=10)
 
         took, cancelled, waited = await asyncio.to_thread(wait_then_cancel)
-    assert 1.0 <= took < 5.0
+    assert 1.0 <= took < 10.0  # the 1 s timeout; the job would stay queued for ever
     assert cancelled.status == "cancelled" and waited.status == "cancelled"

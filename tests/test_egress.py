@@ -238,9 +238,10 @@ async def test_a_gzip_bomb_stops_at_the_limit_without_inflating_it(bomb: bytes) 
         message = await refused(server.url("/"), max_bytes=16 * MiB)
         elapsed = time.monotonic() - start
     assert message == f"answered more than {16 * MiB} bytes"
-    assert elapsed < 2, elapsed
+    assert elapsed < 20, elapsed  # a bounded stop, not the whole GiB (speed: bench)
     assert seen["rss"] < 100 * MiB, seen  # the old client inflated all of it (+2.8 GB)
-    assert seen["lag"] < 0.25, seen
+    # Inflated on the loop, the loop would wait the whole read (lag ≈ elapsed).
+    assert seen["lag"] < max(0.5, elapsed / 2), (seen, elapsed)
 
 
 @pytest.mark.parametrize(
@@ -331,7 +332,8 @@ async def drip_body(_seen: Seen, writer: asyncio.StreamWriter) -> None:
 
 
 async def drip_head(_seen: Seen, writer: asyncio.StreamWriter) -> None:
-    for byte in head(200, ("content-length", "2")) + b"{}":
+    # Over 100 bytes, a byte every 0.2 s: it drips for 20 s, as the others do.
+    for byte in head(200, ("content-length", "2"), ("x-pad", "p" * 64)) + b"{}":
         writer.write(bytes([byte]))
         await writer.drain()
         await asyncio.sleep(0.2)
@@ -356,7 +358,9 @@ async def test_the_deadline_is_total_not_per_read(respond: Any) -> None:
         message = await refused(server.url(), timeout_s=1)
         elapsed = time.monotonic() - start
     assert message == "timed out after 1 s"
-    assert 0.9 < elapsed < 1.6, elapsed  # every read was quicker than the deadline
+    # Every read was quicker than the deadline and each answer drips for 20 s or more: a
+    # per-read deadline would wait it out. 10 s is 10x the typical, for a loaded machine.
+    assert 0.9 < elapsed < 10, elapsed
 
 
 async def test_a_server_that_does_not_read_the_request_hits_the_deadline() -> None:
@@ -379,7 +383,7 @@ async def test_a_server_that_does_not_read_the_request_hits_the_deadline() -> No
                     timeout_s=1,
                     max_bytes=MiB,
                 )
-            assert time.monotonic() - start < 1.6
+            assert time.monotonic() - start < 10  # the server would hold it 30 s
     finally:
         stop.set()
         server.close()

@@ -312,8 +312,9 @@ async def test_a_locked_sqlite_database_answers_503_stores_nothing_then_recovers
                 started = loop.time()
                 problem = assert_unavailable(await client.post(url, **kwargs))
                 assert problem["detail"] == "The database is busy", problem
-                # It waited the configured busy timeout (0.25 s), not the default 5 s.
-                assert loop.time() - started < 2, "the request hung on the lock"
+                # It waited the configured busy timeout (0.25 s; 10x: 2.5 s), not the
+                # default 5 s.
+                assert loop.time() - started < 2.5, "the request hung on the lock"
             # WAL: readers never wait for the writer.
             read = await client.get(f"/v1/training-jobs/{done}")
             assert read.status_code == 200 and read.json()["status"] == "succeeded"

@@ -144,7 +144,8 @@ async def test_regex_that_backtracks_catastrophically_in_re_is_linear(
             {"type": "regex", "pattern": pattern, "ignore_case": ignore_case}, answer
         )
         assert result.error is None and result.reward in (0.0, 1.0)
-    assert loop.time() - start < 0.2
+    # Linear: a few ms here; `re` would backtrack for years. 2 s: no load reaches it.
+    assert loop.time() - start < 2.0
 
 
 async def test_regex_on_the_longest_answer_keeps_the_event_loop_serving() -> None:
@@ -169,8 +170,10 @@ async def test_regex_on_the_longest_answer_keeps_the_event_loop_serving() -> Non
     elapsed = loop.time() - begin
     ticker.cancel()
     assert result.error is None and result.reward == 1.0
-    assert max(lags) < 0.1, (max(lags), elapsed)
-    assert elapsed < 10, elapsed
+    # Graded on the loop, the loop would wait the whole grading (lag ≈ elapsed); graded
+    # in a thread, its longest wait is a few switch intervals however loaded the machine.
+    assert max(lags) < max(0.5, elapsed / 2), (max(lags), elapsed)
+    assert elapsed < 30, elapsed
     over = answer + "x" * 20_000  # a little more work than allowed: not graded
     result = await score({"type": "regex", "pattern": pattern}, over)
     assert result.error is not None and "too long for this pattern" in result.error
@@ -262,8 +265,10 @@ async def test_long_hostile_answers_never_hold_the_event_loop(
     elapsed = loop.time() - begin
     ticker.cancel()
     assert result.error is None or "too long" in result.error
-    assert max(lags) < 0.1, max(lags)
-    assert elapsed < 2, elapsed
+    # As above: on the loop its longest wait would be the whole grading. (The speed of
+    # grading is bench material, not a test's.)
+    assert max(lags) < max(0.5, elapsed / 2), (max(lags), elapsed)
+    assert elapsed < 20, elapsed
 
 
 def test_regex_rejects_a_pattern_over_1000_characters() -> None:
@@ -576,7 +581,9 @@ async def test_webhook_timeout_is_an_error_grade(service: GradingService) -> Non
     result = await hook(f"{service.live.url}/slow", timeout_s=0.2)
     elapsed = asyncio.get_running_loop().time() - start
     assert result == Grade(None, error="webhook grader timed out after 0.2 s")
-    assert 0.15 < elapsed < 1.5
+    # It waited for the timeout (a lower bound no load can break), then gave up: the
+    # grader's /slow holds its answer far longer than this upper bound.
+    assert 0.15 < elapsed < 4.5
 
 
 @pytest.mark.parametrize(

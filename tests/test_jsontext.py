@@ -179,7 +179,7 @@ def test_a_thread_reading_a_large_text_lets_other_threads_run() -> None:
         done.set()
 
     worker = threading.Thread(target=read)
-    last = time.perf_counter()
+    last = begin = time.perf_counter()
     worker.start()
     while not done.is_set():
         time.sleep(0.001)
@@ -187,8 +187,11 @@ def test_a_thread_reading_a_large_text_lets_other_threads_run() -> None:
         gaps.append(now - last)
         last = now
     worker.join()
+    took = time.perf_counter() - begin
     assert len(text) > 5_000_000 and len(gaps) > 10
-    assert max(gaps) < 0.2, max(gaps)
+    # Read in one call, the longest gap would be the whole read (gap ≈ took); a piece at a
+    # time, a few switch intervals however loaded the machine.
+    assert max(gaps) < max(0.5, took / 2), (max(gaps), took)
 
 
 # --------------------------------------------------------------------------- pieces

@@ -37,8 +37,10 @@ from tests.test_egress import MiB, rss
 
 SECRET = "s3cr3t-7c0ffee-header"
 # A stall detector, not a timing: before these fixes the same attacks held the event loop
-# for 4 s (a 1 GiB gzip answer) to 8 s (the regex); a busy machine adds tenths.
-STALL = 2.0
+# for 4 s (a 1 GiB gzip answer) to 8 s (the regex); the slowest /healthz is typically a
+# tenth of a second or less, and a busy machine adds tenths. How fast it answers is
+# measured by `python -m bench.stalls`.
+STALL = 3.0
 EXAMPLE = {"id": "q1", "messages": [{"role": "user", "content": "say yes"}], "expected": "yes"}
 
 
@@ -248,7 +250,8 @@ async def test_an_agent_that_drips_is_cut_at_its_total_timeout(serve: Any, tmp_p
     assert job["summary"]["errors"] == [
         f"example q1 generation {g}: agent timed out after 1 s" for g in range(2)
     ]
-    assert elapsed < 4, elapsed  # each byte came in well under the timeout
+    # Each byte came in well under the timeout, for 25 s: a per-read timeout waits it out.
+    assert elapsed < 20, elapsed
     assert probe["worst"] < STALL, probe
 
 
@@ -449,7 +452,7 @@ async def test_untrainable_agent_answers_are_refused_as_they_arrive_and_left_out
     seen: list[dict[str, str]] = []
     async with (
         LiveServer(agent_app(answers, seen)) as agent,
-        service(serve, tmp_path) as (
+        service(serve, tmp_path, lease_seconds=600) as (
             live,
             _,
         ),
@@ -472,7 +475,8 @@ async def test_untrainable_agent_answers_are_refused_as_they_arrive_and_left_out
         assert f": agent trajectory {expected}" in message or expected in message, message
     assert SECRET not in json.dumps(job)
     assert training["summary"]["num_trajectories"] == 2
-    assert "job_retrying" not in types and elapsed < 10
+    # The lease (600 s) never lapsed: an end by lease would not come within the wait.
+    assert "job_retrying" not in types and elapsed < 300
 
 
 async def test_an_agent_that_answers_only_untrainable_trajectories_fails_the_job_at_once(
@@ -481,7 +485,7 @@ async def test_an_agent_that_answers_only_untrainable_trajectories_fails_the_job
     answers = [a for a, _ in UNTRAINABLE[:4]]
     async with (
         LiveServer(agent_app(answers, [])) as agent,
-        service(serve, tmp_path) as (
+        service(serve, tmp_path, lease_seconds=600) as (
             live,
             _,
         ),
@@ -492,7 +496,7 @@ async def test_an_agent_that_answers_only_untrainable_trajectories_fails_the_job
         types = await event_types(live, job["id"])
     assert job["status"] == "failed" and job["error"]["type"] == "NothingCollected"
     assert job["attempts"] == 1 and "job_retrying" not in types
-    assert elapsed < 5, elapsed  # not three lease cycles
+    assert elapsed < 300, elapsed  # not three lease cycles: the lease is 600 s
     assert types[-1] == "rollout_failed"
 
 
@@ -618,14 +622,14 @@ async def test_an_error_building_the_result_ends_the_job_now_not_by_lease(
         raise TypeError("a bug while enqueuing the training job")
 
     monkeypatch.setattr("app.rollouts.runner.training_child", broken)
-    async with service(serve, tmp_path) as (live, _):
+    async with service(serve, tmp_path, lease_seconds=600) as (live, _):
         start = time.monotonic()
         job = await run(live, grader={"type": "contains"}, train={})
         elapsed = time.monotonic() - start
         types = await event_types(live, job["id"])
     assert job["status"] == "failed" and job["error"]["type"] == "TypeError", job["error"]
     assert job["attempts"] == 1 and "job_retrying" not in types
-    assert elapsed < 2, elapsed  # the lease is 2 s: it never had to lapse
+    assert elapsed < 300, elapsed  # the lease is 600 s: it never had to lapse
 
 
 async def test_a_sampled_answer_training_would_refuse_costs_no_webhook_call(

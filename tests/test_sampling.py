@@ -158,7 +158,7 @@ async def test_at_most_concurrency_requests_in_flight_over_reused_connections(
     assert fake.requests == 20
     assert fake.max_in_flight == 4
     assert len(fake.ports) <= 4  # keep-alive: no new connection per request
-    assert 0.25 <= elapsed < 1.0  # five waves of 50 ms
+    assert elapsed >= 0.25  # five waves of 50 ms (how much longer is the machine's load)
 
 
 async def test_many_in_flight_stay_bounded_each_on_a_reused_connection(
@@ -199,7 +199,7 @@ async def test_waits_at_least_what_retry_after_asks(fake: FakeOpenAI) -> None:
         await client.chat(BODY)
         elapsed = time.perf_counter() - start
     assert fake.requests == 2
-    assert 0.3 <= elapsed < 1.0
+    assert 0.3 <= elapsed < 3.0  # 10x what it asked: a loaded machine adds, never waits less
 
 
 async def test_exhausted_retries_are_a_transient_error_with_the_last_message(
@@ -285,7 +285,7 @@ async def test_a_redirect_is_not_followed(fake: FakeOpenAI) -> None:
 
 
 async def test_timeouts_are_retried_then_a_transient_error(fake: FakeOpenAI) -> None:
-    fake.delay = 2.0
+    fake.delay = 30.0  # released when the test ends
     async with SamplingClient(fake.base_url, None, timeout=0.1, retries=2, backoff=0.01) as c:
         start = time.perf_counter()
         with pytest.raises(SamplingError) as info:
@@ -294,7 +294,7 @@ async def test_timeouts_are_retried_then_a_transient_error(fake: FakeOpenAI) -> 
     assert info.value.transient is True
     assert info.value.message == "chat completion failed after 3 attempts: timed out after 0.1 s"
     assert fake.requests == 3
-    assert 0.3 <= elapsed < 1.0
+    assert 0.3 <= elapsed < 3.0  # three timeouts of 0.1 s, not one answer of 30 s
 
 
 async def test_a_timeout_then_a_fast_answer_succeeds(fake: FakeOpenAI) -> None:

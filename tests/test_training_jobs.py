@@ -420,13 +420,16 @@ async def test_training_jobs_need_the_api_key(serve) -> None:
 
 async def test_a_cancel_after_the_step_landed_reports_the_step(serve, recorder) -> None:
     async with serve(worker_enabled=True, backend_overrides={"dry-run": recorder}) as live:
-        await f.create_model(live.client, seconds_after_step=2.0)
+        # The cancel lands between the step landing and `train` returning: a window of 60 s,
+        # not 2 s that a loaded machine could let pass before the cancel is sent.
+        await f.create_model(live.client, seconds_after_step=60.0)
         job = (await f.submit(live.client)).json()
         checkpoint = recorder._dir(type("M", (), {"project": "tests", "name": "agent"})) / "0001"
-        for _ in range(200):
+        for _ in range(3000):
             if checkpoint.exists():
                 break
             await asyncio.sleep(0.02)
+        assert checkpoint.exists(), "the step did not land within 60 s"
         await live.client.post(f"/v1/training-jobs/{job['id']}/cancel")
         done = await wait_final(live.client, job["id"])
         model = (await live.client.get("/v1/models/agent")).json()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import subprocess
+from collections.abc import Awaitable, Callable
 
 import pytest
 from sqlalchemy import func, select
@@ -41,26 +43,33 @@ async def test_sigkill_mid_training_then_a_new_worker_finishes_it_once(plain_env
     env = plain_env
     # Even rounds: killed while the trainer works (not advanced: retried).
     # Odd rounds: killed after the step landed but before the worker applied it (counted).
+    # The worker runs in slices and is looked at while stopped (SIGSTOP), so the kill lands
+    # in the state it was seen in however busy the machine (no sleep racing the trainer).
     after_step = round_ % 2 == 1
     model = f"agent{round_}"
-    await env.model(model, seconds_per_step=0.25, seconds_after_step=5.0 if after_step else 0)
+    await env.model(model, seconds_per_step=0.5, seconds_after_step=30.0 if after_step else 0)
     job_id = await env.job(model, collection=f_collection())
+
+    async def killable() -> bool:
+        if after_step:
+            landed = checkpoints(env, model) == ["0000", "0001"]
+            return landed and "training_ended" not in await env.events(job_id)
+        started = await _has_event(env, job_id, "training_started")
+        return started and checkpoints(env, model) == ["0000"]
+
     first = start_worker(env.settings)
     try:
-        await until(lambda: _has_event(env, job_id, "training_started"), what="training start")
-        if after_step:
-            await until(
-                lambda: _async(checkpoints(env, model) == ["0000", "0001"]), what="the step to land"
-            )
-        else:
-            await asyncio.sleep(0.3)
-        first.send_signal(signal.SIGKILL)
-        first.wait(10)
+        # Sliced only once training runs (the start-up is slow in slices); a step takes 2 s.
+        # A worker's start-up (imports) took over 30 s on a 2-core machine at load 12.
+        await until(
+            lambda: _has_event(env, job_id, "training_started"), timeout=180, what="training start"
+        )
+        await kill_when(first, killable, what="the state to kill in")
     finally:
         stop(first)
     second = start_worker(env.settings)
     try:
-        row = await until(lambda: _final(env, job_id), what="the job to finish")
+        row = await until(lambda: _final(env, job_id), timeout=180, what="the job to finish")
     finally:
         stop(second)
     assert row.status == "succeeded", row.error
@@ -72,14 +81,37 @@ async def test_sigkill_mid_training_then_a_new_worker_finishes_it_once(plain_env
     assert row.attempts == (1 if after_step else 2)
 
 
+async def kill_when(
+    process: subprocess.Popen[bytes],
+    condition: Callable[[], Awaitable[bool]],
+    *,
+    what: str,
+    slice_s: float = 0.002,
+    timeout: float = 120.0,
+) -> None:
+    """SIGKILL `process` in a state where `condition` holds: it runs in slices of
+    `slice_s` and is stopped (SIGSTOP) while `condition` is read."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        process.send_signal(signal.SIGSTOP)
+        try:
+            if await condition():
+                process.send_signal(signal.SIGKILL)
+                process.wait(10)
+                return
+        finally:
+            if process.poll() is None:
+                process.send_signal(signal.SIGCONT)
+        assert process.poll() is None, f"the worker exited with {process.returncode}"
+        assert loop.time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(slice_s)
+
+
 def f_collection() -> dict:
     from tests.factories import nat_collection
 
     return nat_collection([[1.0, 0.0]] * 4)
-
-
-async def _async(value):
-    return value
 
 
 async def _has_event(env: Env, job_id: str, type_: str) -> bool:
