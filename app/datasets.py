@@ -1,6 +1,6 @@
 """Datasets: examples uploaded once as JSON Lines and reused by runs, kept in named splits.
 
-An upload is read a line at a time: each line is parsed strictly (`app.jsontext`) and
+An upload is read a line at a time: each line is parsed strictly (`app.ingest.jsontext`) and
 validated as a `DatasetExample`, and every error names its line (`line[3].messages[0]
 .role`, lines counted from 1). Nothing is stored unless every line is valid. The same
 bytes uploaded again under the same name give back the dataset stored the first time.
@@ -26,7 +26,6 @@ from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
-from app import jsontext
 from app.db import begin_write, utcnow
 from app.errors import (
     ConflictError,
@@ -35,7 +34,8 @@ from app.errors import (
     ProblemError,
     format_path,
 )
-from app.freeing import dispose
+from app.ingest import jsontext
+from app.ingest.freeing import dispose
 from app.jobs.payloads import compress, decompress
 from app.models import DatasetRow, JobRow
 from app.schemas.common import FieldError
@@ -65,7 +65,7 @@ def read_jsonl(raw: bytes, *, max_depth: int) -> Prepared | ProblemError:
     to answer: returned, not raised, so that no exception carries this thread's frames
     (and the parsed lines with them) to the event loop. A large upload is read in a
     thread (`app.api.body.off_the_loop`, the path of large JSON bodies); what its lines
-    were parsed into is freed in the background, a little at a time (`app.freeing`)."""
+    were parsed into is freed in the background, a little at a time (`app.ingest.freeing`)."""
     trash: list[Any] = []
     try:
         return _prepare(raw, max_depth, trash)
@@ -95,7 +95,7 @@ def parse_jsonl(
 ) -> dict[str, list[dict[str, Any]]]:
     """Every line checked; the examples by split, as stored. Raises InvalidInputError
     naming each bad line (at most MAX_ERRORS). Blank lines are skipped; a final line
-    without a newline counts. Each line is parsed strictly (`app.jsontext`, a piece at a
+    without a newline counts. Each line is parsed strictly (`app.ingest.jsontext`, a piece at a
     time) and validated alone, so no call holds the GIL for long; an example's `id` is
     unique in the upload. What is parsed goes to `trash` too (the caller frees it)."""
     errors: list[FieldError] = []
@@ -203,7 +203,7 @@ async def create_dataset(
 
 
 def _encode(splits: dict[str, list[dict[str, Any]]]) -> tuple[bytes, bytes]:
-    document = jsontext.dumps_bytes(splits)  # a piece at a time (see app.jsontext)
+    document = jsontext.dumps_bytes(splits)  # a piece at a time (see app.ingest.jsontext)
     return document, compress(document)
 
 

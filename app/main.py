@@ -13,9 +13,10 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
 from pydantic.json_schema import models_json_schema
 
-from app import __version__, dashboard, edge, errors
+from app import __version__, dashboard, errors
 from app.api import (
     checkpoints,
+    datasets,
     docs,
     gateway,
     health,
@@ -26,6 +27,7 @@ from app.api import (
     webhooks,
 )
 from app.api.body import BODY_MODELS
+from app.ingest import edge
 from app.metrics import Metrics
 from app.process import Process
 from app.schemas.common import FieldError, Problem, problem_responses
@@ -113,7 +115,7 @@ def create_app(
         training_jobs.router,
         rollout_jobs.router,
         runs.router,
-        runs.datasets_router,
+        datasets.router,
         models.router,
         models.backends_router,
         checkpoints.router,
@@ -131,7 +133,7 @@ def create_app(
         training_jobs.router,
         rollout_jobs.router,
         runs.router,
-        runs.datasets_router,
+        datasets.router,
         webhooks.router,
         gateway.router,
     ]

@@ -10,7 +10,7 @@ the connection itself, which no ASGI middleware can see.
   arrives, for at most TRAINYARD_BODY_TIMEOUT_SECONDS; then the connection is closed.
 
 The body deadline itself (408 for a body that arrives too slowly) is ASGI middleware,
-`app.edge.RequestBody`, so it holds under any server.
+`app.ingest.edge.RequestBody`, so it holds under any server.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Hostile request bodies, sent as an attacker sends them: raw bytes over real HTTP, to a
 real database (SQLite; Postgres too when TRAINYARD_TEST_DATABASE_URL is set).
 
-Every body is parsed by one strict reader (`app.api.body`, `app.jsontext`): text that is
+Every body is parsed by one strict reader (`app.api.body`, `app.ingest.jsontext`): text that is
 not UTF-8, a string or key that is not valid Unicode, NaN, nesting past the limit, counts
 past the limits are refused with the path of what is wrong, and nothing is stored. What
 is accepted is what the worker can read back: each accepted body's stored spec decodes.

@@ -1,7 +1,7 @@
 """The edge's JSON reader and writer against the standard library, and validation a piece
 at a time against validating whole.
 
-`app.jsontext.loads` must read exactly what `json.loads` reads (values, and for broken
+`app.ingest.jsontext.loads` must read exactly what `json.loads` reads (values, and for broken
 text the same message at the same character), apart from what it refuses on purpose; it
 is run with windows of a few characters, so that every path through it is taken.
 `dumps` must write `app.db.json_dumps`'s text. `app.schemas.pieces.validate` must give the
@@ -24,9 +24,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app import jsontext
 from app.db import json_dumps
-from app.freeing import dispose, gc_paused
+from app.ingest import jsontext
+from app.ingest.freeing import dispose, gc_paused
 from app.rollouts import spec as rollout_spec
 from app.schemas.jobs import TRAINING_PIECES, TrainingJobCreate
 from app.schemas.pieces import validate

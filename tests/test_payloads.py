@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
-from app import jsontext
 from app.backends import Backends
 from app.db import create_engine
+from app.ingest import jsontext
 from app.jobs import payloads
 from app.jobs.lifecycle import JobStatus, Released
 from app.jobs.payloads import Payload, UnknownPayloadFormat

@@ -1,12 +1,12 @@
 """Request bodies: FastAPI parses none. A route that takes JSON reads it with `read_json`,
-which parses it strictly (`app.jsontext`), checks it against limits, validates it and
+which parses it strictly (`app.ingest.jsontext`), checks it against limits, validates it and
 hands it to the service's `prepare`, all in one step:
 
 - small bodies (up to `INLINE_BYTES`) in the request's task;
 - larger ones in a thread, with Python's cyclic garbage collector paused meanwhile (a
   collection walks every live object while the body's millions of new ones are being
   built: seconds during which no thread runs), at most `LARGE_AT_ONCE` at a time. What the
-  body was parsed into is freed a little at a time (`app.freeing`); what comes back is
+  body was parsed into is freed a little at a time (`app.ingest.freeing`); what comes back is
   what `prepare` keeps (a stored spec, counts), or the problem to answer, and is freed the
   same way once the response is sent.
 
@@ -31,10 +31,10 @@ from typing import Any, Generic, Protocol, TypeVar
 from fastapi import Request
 from pydantic import BaseModel
 
-from app import jsontext
-from app.edge import body_of
 from app.errors import InvalidInputError, LimitExceededError, ProblemError, format_path
-from app.freeing import dispose, dispose_after_response, gc_paused
+from app.ingest import jsontext
+from app.ingest.edge import body_of
+from app.ingest.freeing import dispose, dispose_after_response, gc_paused
 from app.schemas.common import FieldError
 from app.schemas.pieces import Piece, validate
 from app.settings import Settings
@@ -71,7 +71,7 @@ def json_body(model: type[BaseModel]) -> dict[str, Any]:
 
 class Stream(Protocol[M_in, R_out]):
     """A body's large list read an item at a time (`Reading.stream`): `streams` takes the
-    items as they are parsed (`app.jsontext.loads`) and raises `jsontext.Unstreamable` at
+    items as they are parsed (`app.ingest.jsontext.loads`) and raises `jsontext.Unstreamable` at
     the first one with a problem to report; `finish` makes of the body, validated with
     that list empty, what `prepare` would make of it whole, or None to have it read whole."""
 
@@ -117,7 +117,7 @@ async def read_json(request: Request, reading: Reading[M, R]) -> R:
 
 
 async def parse_json(request: Request) -> Any:
-    """The request's body parsed strictly (`app.jsontext.loads`), in a thread when large.
+    """The request's body parsed strictly (`app.ingest.jsontext.loads`), in a thread when large.
     Raises `JsonTextError` or `JsonValueErrors`."""
     raw = await body_of(request)
     depth = request.app.state.settings.max_json_depth

@@ -1,5 +1,5 @@
 """Request dependencies: a database session, the reader, and the parameters looked up in the
-database. (The API key is checked before any route runs: `app.edge.ApiKeys`.)"""
+database. (The API key is checked before any route runs: `app.ingest.edge.ApiKeys`.)"""
 
 from __future__ import annotations
 

@@ -8,11 +8,11 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from sqlalchemy import select
 
-from app import jsontext
 from app.api.body import parse_json
 from app.backends import SPECS
 from app.errors import format_path
 from app.gateway import PREFIX, Gateway, GatewayError, served_names
+from app.ingest import jsontext
 from app.models import ModelRow
 from app.schemas.common import problem_responses
 

@@ -15,7 +15,7 @@ from typing import Any, Generic, TypeVar
 
 import zstandard
 
-from app import jsontext
+from app.ingest import jsontext
 
 T = TypeVar("T")
 # A compressor per thread: big specs are encoded in worker threads (`asyncio.to_thread`),
@@ -112,7 +112,7 @@ class Codec(Generic[T]):
 
     def encode(self, document: Any) -> Payload:
         # `json_dumps`'s text, built and compressed a piece at a time: a large spec is
-        # encoded in a thread while the event loop keeps serving (see `app.jsontext`), and
+        # encoded in a thread while the event loop keeps serving (see `app.ingest.jsontext`), and
         # its whole text is never held at once.
         data, size = compress_pieces(jsontext.dumps_pieces(document))
         return Payload(self.current, data, size)

@@ -9,11 +9,11 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from app import jsontext
 from app.backends import SPECS
 from app.db import begin_write, json_dumps
 from app.egress import EgressPolicy
 from app.errors import ConflictError, InvalidInputError, field_errors, format_path
+from app.ingest import jsontext
 from app.jobs.exclusive import ensure_no_run
 from app.jobs.lifecycle import JobKind, NewJob
 from app.jobs.payloads import decompress

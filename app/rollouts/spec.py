@@ -13,8 +13,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from app import jsontext
 from app.db import json_dumps
+from app.ingest import jsontext
 from app.jobs.payloads import Codec, Payload
 from app.schemas.graders import Grader
 from app.schemas.rollouts import Agent, Example, RolloutJobCreate, Sampling, TrainAfter

@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, SkipValidation
 
-from app import jsontext
+from app.ingest import jsontext
 from app.jobs.payloads import Codec, Payload
 from app.rollouts.spec import RolloutSpec
 from app.runs.schedule import Plan

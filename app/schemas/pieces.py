@@ -97,7 +97,7 @@ def validate(
 
 
 def validate_item(item: Any, path: tuple[str, ...], pieces: Sequence[Piece]) -> Any | None:
-    """An item of a list at `path` (a parsed body's, handed out alone: `app.jsontext`'s
+    """An item of a list at `path` (a parsed body's, handed out alone: `app.ingest.jsontext`'s
     streams) validated as `validate` validates it inside the whole body, by the pieces at
     and under `path`'s items, innermost first: the validated item, or None at its first
     error (the body read whole reports them)."""

@@ -10,10 +10,10 @@ from typing import Any
 from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from app import jsontext
 from app.backends import SPECS
 from app.db import begin_write
 from app.errors import InvalidInputError, field_errors, format_path
+from app.ingest import jsontext
 from app.jobs.exclusive import ensure_no_run
 from app.jobs.lifecycle import JobKind, JobStatus
 from app.jobs.payloads import Payload
@@ -128,7 +128,7 @@ def _prepared(
 
 class StreamedGroups:
     """A large training body read a group at a time, as the parser reaches each group
-    (`app.jsontext` streams, `Reading.stream`): the group is checked against the limits,
+    (`app.ingest.jsontext` streams, `Reading.stream`): the group is checked against the limits,
     validated, checked, converted and added to the compressed spec, then let go, so the
     body's groups never exist all at once (parsed whole, a 23 MB collection held about
     106 MB of objects, validated another copy).

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
-from app import jsontext
+from app.ingest import jsontext
 from app.jobs.payloads import Codec, Compressing, Payload
 from app.schemas.jobs import TrainingJobCreate
 from app.schemas.trajectories import ArtTrajectoryGroup

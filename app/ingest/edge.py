@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import problem_response
-from app.freeing import AFTER_RESPONSE, dispose
+from app.ingest.freeing import AFTER_RESPONSE, dispose
 
 UNAUTHORIZED_DETAIL = "Missing or invalid API key: send `Authorization: Bearer <key>`"
 _CLOSE = {"Connection": "close"}
