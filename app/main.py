@@ -24,6 +24,7 @@ from app.api import (
     runs,
     training_jobs,
     webhooks,
+    workers,
 )
 from app.api.body import BODY_MODELS
 from app.metrics import Metrics
@@ -118,6 +119,7 @@ def create_app(
         models.backends_router,
         checkpoints.router,
         webhooks.router,
+        workers.router,
         docs.router(app),
         dashboard.router(),
     ]:
@@ -133,6 +135,7 @@ def create_app(
         runs.router,
         runs.datasets_router,
         webhooks.router,
+        workers.router,
         gateway.router,
     ]
     _document_problems(app, reading_order, open_paths)

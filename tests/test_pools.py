@@ -5,6 +5,7 @@ worker's heartbeat."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from typing import Any
@@ -21,6 +22,7 @@ from app.jobs.statements import jobs, models, workers
 from app.jobs.store import QueueStore, enqueue, new_job, store_for
 from app.training import spec
 from tests import factories as f
+from tests.backends import wait_final
 
 
 @pytest.fixture
@@ -236,3 +238,73 @@ async def test_metrics_counts_by_pool_and_backend(store: QueueStore) -> None:
         ("cpu", "dry-run"): 1,
         ("gpu", "art-local"): 1,
     }
+
+
+# -- over HTTP: models, jobs, workers, metrics --------------------------------------------
+
+
+def _body(name: str, **extra: Any) -> dict[str, Any]:
+    return {"name": name, "base_model": "tiny/base", "backend": "dry-run", **extra}
+
+
+async def test_models_say_their_pool_and_labels(live) -> None:
+    client = live.client
+    created = await client.post("/v1/models", json=_body("g", pool="gpu", labels={"gpu": "h200"}))
+    assert created.status_code == 201
+    assert (created.json()["pool"], created.json()["labels"]) == ("gpu", {"gpu": "h200"})
+    plain = (await client.post("/v1/models", json=_body("p"))).json()
+    assert (plain["pool"], plain["labels"]) == ("default", {})
+    again = await client.post("/v1/models", json=_body("g", pool="gpu", labels={"gpu": "h200"}))
+    assert again.status_code == 200
+    other = await client.post("/v1/models", json=_body("g", pool="cpu", labels={"gpu": "h200"}))
+    assert other.status_code == 409
+    for bad, loc in [
+        ({"pool": "GPU pool"}, "pool"),
+        ({"pool": ""}, "pool"),
+        ({"labels": {"gpu": "h 200"}}, "labels.gpu"),
+        ({"labels": {"-gpu": "h200"}}, "labels.-gpu.[key]"),
+        ({"labels": {"gpu": 200}}, "labels.gpu"),
+        ({"labels": ["gpu=h200"]}, "labels"),
+    ]:
+        response = await client.post("/v1/models", json=_body("bad", **bad))
+        assert response.status_code == 422, bad
+        assert response.headers["content-type"] == "application/problem+json"
+        errors = response.json()["errors"]
+        assert [(e["location"], e["path"]) for e in errors] == [("body", loc)], (bad, errors)
+    assert (await client.get("/v1/models/bad")).status_code == 404  # nothing changed
+
+
+async def test_a_job_of_a_pool_nobody_serves_waits_and_says_why(serve) -> None:
+    """The in-process worker serves `default` with every backend this process loads: a job
+    of the gpu pool waits, says why in its JSON and in the metrics, and is never claimed."""
+    async with serve(worker_enabled=True) as live:
+        client = live.client
+        await client.post("/v1/models", json=_body("g", pool="gpu"))
+        await client.post("/v1/models", json=_body("d"))
+        waiting = (await f.submit(client, model="g")).json()
+        assert waiting["status"] == "queued"
+        assert waiting["waiting_for"] == "no live worker in pool `gpu`"
+        ran = (await f.submit(client, model="d")).json()
+        done = await wait_final(client, ran["id"])
+        assert (done["status"], done["waiting_for"]) == ("succeeded", None)
+        job = (await client.get(f"/v1/training-jobs/{waiting['id']}")).json()
+        assert (job["status"], job["waiting_for"]) == ("queued", "no live worker in pool `gpu`")
+        listed = (await client.get("/v1/training-jobs", params={"status": "queued"})).json()
+        assert [(j["id"], j["waiting_for"]) for j in listed["data"]] == [
+            (waiting["id"], "no live worker in pool `gpu`")
+        ]
+        workers = (await client.get("/v1/workers")).json()
+        me = live.app.state.worker
+        assert [(w["id"], w["pool"], w["draining"]) for w in workers] == [(me.id, "default", False)]
+        assert "dry-run" in workers[0]["backends"] and workers[0]["version"]
+        metrics = (await client.get("/metrics")).text
+        assert 'trainyard_pool_queue_depth{backend="dry-run",pool="gpu"} 1.0' in metrics
+        assert 'trainyard_live_workers{backend="dry-run",pool="default"} 1.0' in metrics
+        # Drained through the API: it stops claiming and shows it.
+        assert (await client.post("/v1/workers/nobody/drain")).status_code == 404
+        drained = await client.post(f"/v1/workers/{me.id}/drain")
+        assert drained.status_code == 202 and drained.json()["draining"] is True
+        await asyncio.wait_for(me.drain_asked.wait(), 60)
+        late = (await f.submit(client, model="d")).json()
+        assert late["waiting_for"] == "no live worker in pool `default`"
+        assert (await client.get(f"/v1/training-jobs/{late['id']}")).json()["status"] == "queued"

@@ -150,5 +150,8 @@ async def readyz(request: Request) -> Any:
     },
 )
 async def metrics(request: Request) -> Response:
-    body, content_type = await request.app.state.metrics.render(request.app.state.sessions)
+    metrics, settings = request.app.state.metrics, request.app.state.settings
+    body, content_type = await metrics.render(
+        request.app.state.sessions, lease_seconds=settings.lease_seconds
+    )
     return Response(body, media_type=content_type)

@@ -16,6 +16,7 @@ from app.errors import ConflictError, InvalidInputError, NotFoundError, field_er
 from app.gateway import served_names
 from app.models import ModelRow
 from app.schemas.models import Model, ModelCreate
+from app.settings import DEFAULT_POOL
 
 
 def to_wire(row: ModelRow) -> Model:
@@ -26,6 +27,8 @@ def to_wire(row: ModelRow) -> Model:
         backend=row.backend,
         config=row.config,
         current_step=row.current_step,
+        pool=row.pool or DEFAULT_POOL,
+        labels=row.labels or {},
         inference_base_url=row.inference_base_url,
         inference_model_name=row.inference_model_name,
         openai_model_names=served_names(row) if SPECS[row.backend].serves else [],
@@ -71,11 +74,20 @@ async def create_model(
     await begin_write(session)
     existing = await session.get(ModelRow, body.name)
     if existing is not None:
-        same = (existing.project, existing.base_model, existing.backend, existing.config) == (
+        same = (
+            existing.project,
+            existing.base_model,
+            existing.backend,
+            existing.config,
+            existing.pool or DEFAULT_POOL,
+            existing.labels or {},
+        ) == (
             body.project,
             body.base_model,
             body.backend,
             config,
+            body.pool or DEFAULT_POOL,
+            body.labels or {},
         )
         if not same:
             raise ConflictError(f"a different model named {body.name!r} exists")
@@ -87,7 +99,10 @@ async def create_model(
         backend=body.backend,
         config=config,
         current_step=0,
+        pool=body.pool,
     )
+    if body.labels:  # none: SQL NULL (never a JSON null, which a claim would not read)
+        row.labels = dict(body.labels)
     session.add(row)
     await session.flush()
     return to_wire(row), True
