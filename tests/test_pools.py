@@ -14,6 +14,7 @@ import pytest
 from sqlalchemy import insert, select, update
 
 from app.db import create_engine, utcnow, write_connection
+from app.errors import NotFoundError
 from app.jobs import pools
 from app.jobs.lifecycle import JobKind
 from app.jobs.payloads import Payload
@@ -23,6 +24,8 @@ from app.jobs.store import QueueStore, enqueue, new_job, store_for
 from app.training import spec
 from tests import factories as f
 from tests.backends import wait_final
+from trainyard_client import AsyncTrainyard
+from trainyard_client import NotFoundError as MissingError
 
 
 @pytest.fixture
@@ -211,8 +214,6 @@ async def test_list_and_drain_workers(store: QueueStore) -> None:
         again = await pools.request_drain(conn, "cpu-1", lease_seconds=30)
     assert first.drain_requested_at == again.drain_requested_at
     assert await store.beat_worker(worker_id="cpu-1", hostname="h", pid=1) is True
-    from app.errors import NotFoundError
-
     with pytest.raises(NotFoundError):
         async with write_connection(store.engine) as conn:
             await pools.request_drain(conn, "gone", lease_seconds=30)
@@ -300,10 +301,19 @@ async def test_a_job_of_a_pool_nobody_serves_waits_and_says_why(serve) -> None:
         metrics = (await client.get("/metrics")).text
         assert 'trainyard_pool_queue_depth{backend="dry-run",pool="gpu"} 1.0' in metrics
         assert 'trainyard_live_workers{backend="dry-run",pool="default"} 1.0' in metrics
+        async with AsyncTrainyard(live.url) as sdk:
+            assert [w.id for w in await sdk.workers.list()] == [me.id]
+            model = await sdk.models.create(
+                name="sdk", base_model="b", backend="dry-run", pool="gpu", labels={"a": "b"}
+            )
+            assert (model.pool, model.labels) == ("gpu", {"a": "b"})
+            with pytest.raises(MissingError):
+                await sdk.workers.drain("nobody")
         # Drained through the API: it stops claiming and shows it.
         assert (await client.post("/v1/workers/nobody/drain")).status_code == 404
         drained = await client.post(f"/v1/workers/{me.id}/drain")
         assert drained.status_code == 202 and drained.json()["draining"] is True
+        assert [w["draining"] for w in (await client.get("/v1/workers")).json()] == [True]
         await asyncio.wait_for(me.drain_asked.wait(), 60)
         late = (await f.submit(client, model="d")).json()
         assert late["waiting_for"] == "no live worker in pool `default`"
