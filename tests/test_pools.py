@@ -24,6 +24,7 @@ from app.jobs.store import QueueStore, enqueue, new_job, store_for
 from app.training import spec
 from tests import factories as f
 from tests.backends import wait_final
+from tests.processes import until
 from trainyard_client import AsyncTrainyard
 from trainyard_client import NotFoundError as MissingError
 
@@ -315,6 +316,11 @@ async def test_a_job_of_a_pool_nobody_serves_waits_and_says_why(serve) -> None:
         assert drained.status_code == 202 and drained.json()["draining"] is True
         assert [w["draining"] for w in (await client.get("/v1/workers")).json()] == [True]
         await asyncio.wait_for(me.drain_asked.wait(), 60)
-        late = (await f.submit(client, model="d")).json()
-        assert late["waiting_for"] == "no live worker in pool `default`"
-        assert (await client.get(f"/v1/training-jobs/{late['id']}")).json()["status"] == "queued"
+        late = (await f.submit(client, model="d")).json()["id"]
+
+        async def says_why() -> bool:  # the API reads the live workers once a second
+            job = (await client.get(f"/v1/training-jobs/{late}")).json()
+            assert job["status"] == "queued"
+            return bool(job["waiting_for"] == "no live worker in pool `default`")
+
+        await until(says_why, what="the late job to say why it waits")

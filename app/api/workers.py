@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Annotated, Protocol, TypeVar
 
@@ -64,19 +65,55 @@ class _Job(Protocol):
 
 
 J = TypeVar("J", bound=_Job)
+LIVE_WORKERS_TTL = 1.0
+"""Seconds a process reuses its read of the live workers for `waiting_for`: a GET of a
+queued job stays one statement (the reads benchmark), and a worker that registers or
+leaves shows within a second."""
+
+
+class Waits:
+    """Why queued jobs wait, per process: the live workers read at most once a
+    `LIVE_WORKERS_TTL`, and each model's pool, backend and labels, which never change
+    once registered, read once."""
+
+    def __init__(self, engine: AsyncEngine, lease_seconds: float) -> None:
+        self.engine = engine
+        self.lease_seconds = lease_seconds
+        self.models: dict[str, tuple[str | None, str, dict[str, str] | None]] = {}
+        self.live: list[pools.LiveWorker] = []
+        self.read_at = -LIVE_WORKERS_TTL
+
+    async def reasons(self, models: set[str]) -> dict[str, str]:
+        now = time.monotonic()
+        missing = models - set(self.models)
+        if missing or now - self.read_at >= LIVE_WORKERS_TTL:
+            async with self.engine.connect() as conn:
+                if missing:
+                    self.models |= await pools.model_needs(conn, missing)
+                if now - self.read_at >= LIVE_WORKERS_TTL:
+                    self.live = await pools.live_workers(conn, lease_seconds=self.lease_seconds)
+                    self.read_at = now
+        reasons = {}
+        for name in models & set(self.models):
+            reason = pools.waiting_reason(self.live, *self.models[name])
+            if reason is not None:
+                reasons[name] = reason
+        return reasons
 
 
 async def with_waits(request: Request, jobs: Sequence[J]) -> list[J]:
     """The jobs, each queued one that no live worker can run saying why (`waiting_for`)."""
-    queued = [(job.id, job.model) for job in jobs if job.status is JobStatus.queued]
+    queued = {job.model for job in jobs if job.status is JobStatus.queued}
     if not queued:
         return list(jobs)
-    engine: AsyncEngine = request.app.state.engine
-    async with engine.connect() as conn:
-        reasons = await pools.waiting_for(
-            conn, queued, lease_seconds=request.app.state.settings.lease_seconds
-        )
+    state = request.app.state
+    waits: Waits | None = getattr(state, "waits", None)
+    if waits is None:
+        waits = state.waits = Waits(state.engine, state.settings.lease_seconds)
+    reasons = await waits.reasons(queued)
     return [
-        job.model_copy(update={"waiting_for": reasons[job.id]}) if job.id in reasons else job  # type: ignore[misc]
+        job.model_copy(update={"waiting_for": reasons[job.model]})  # type: ignore[misc]
+        if job.status is JobStatus.queued and job.model in reasons
+        else job
         for job in jobs
     ]

@@ -116,6 +116,18 @@ def waiting_reason(
     return None
 
 
+async def model_needs(
+    executor: Executor, names: Iterable[str]
+) -> dict[str, tuple[str | None, str, dict[str, str] | None]]:
+    """Each model's pool, backend and labels: what a worker needs to run its jobs."""
+    rows = await executor.execute(
+        select(models.c.name, models.c.pool, models.c.backend, models.c.labels).where(
+            models.c.name.in_(list(names))
+        )
+    )
+    return {row.name: (row.pool, row.backend, row.labels) for row in rows}
+
+
 async def waiting_for(
     executor: Executor, queued: Iterable[tuple[str, str]], *, lease_seconds: float
 ) -> dict[str, str]:
