@@ -250,9 +250,10 @@ class Worker:
     # -- serving ---------------------------------------------------------------------------
 
     async def serve_models(self) -> None:
-        """Register models whose backend serves inference here, so their endpoint shows
-        before their first job. Failures are logged and tried again every
-        SERVE_RETRY_SECONDS; the first job reports them."""
+        """Register models whose backend serves inference here (those this worker can run:
+        its pool, backends, labels), so their endpoint shows before their first job.
+        Failures are logged and tried again every SERVE_RETRY_SECONDS; the first job
+        reports them."""
         serving = [name for name, spec in SPECS.items() if spec.serves]
         async with self.engine.connect() as conn:
             rows = (
@@ -263,6 +264,8 @@ class Worker:
                         ModelRow.base_model,
                         ModelRow.config,
                         ModelRow.backend,
+                        ModelRow.pool,
+                        ModelRow.labels,
                     ).where(ModelRow.backend.in_(serving))
                 )
             ).all()
@@ -270,6 +273,8 @@ class Worker:
         for row in rows:
             if row.name in self.serving:
                 continue
+            if not self.capabilities.fits(row.pool, row.backend, row.labels):
+                continue  # another pool's, or a backend or label this worker lacks
             spec = ModelSpec(row.name, row.project, row.base_model, row.config)
             try:
                 adapter = self.backends.get(row.backend)

@@ -310,12 +310,26 @@ async def test_a_job_of_a_pool_nobody_serves_waits_and_says_why(serve) -> None:
             assert (model.pool, model.labels) == ("gpu", {"a": "b"})
             with pytest.raises(MissingError):
                 await sdk.workers.drain("nobody")
+        # A model of another pool on a backend that serves: this worker does not try to
+        # serve it (it could not run it), and readiness does not wait for it.
+        art = {"name": "far", "base_model": "b", "backend": "art-local", "pool": "gpu"}
+        assert (await client.post("/v1/models", json=art)).status_code == 201
+        notifier = live.app.state.notifier
+
+        async def seen() -> bool:
+            return bool(me._models_seen == notifier.models_version)
+
+        await until(seen, what="the worker to look at the new model")
+        assert "far" not in me.serving and "far" not in me.not_served
+        assert (await client.get("/readyz")).status_code == 200
         # Drained through the API: it stops claiming and shows it.
         assert (await client.post("/v1/workers/nobody/drain")).status_code == 404
         drained = await client.post(f"/v1/workers/{me.id}/drain")
         assert drained.status_code == 202 and drained.json()["draining"] is True
         assert [w["draining"] for w in (await client.get("/v1/workers")).json()] == [True]
         await asyncio.wait_for(me.drain_asked.wait(), 60)
+        ready = (await client.get("/readyz")).json()  # the API itself is still fine
+        assert ready["checks"]["worker"]["detail"].startswith("drained")
         late = (await f.submit(client, model="d")).json()["id"]
 
         async def says_why() -> bool:  # the API reads the live workers once a second
