@@ -80,24 +80,116 @@ def serve(
 
 
 @app.command()
-def worker() -> None:
-    """Run a worker only (any number of them against Postgres)."""
+def worker(
+    pool: Annotated[
+        str | None, typer.Option(help="Pool it serves (TRAINYARD_WORKER_POOL; default `default`).")
+    ] = None,
+    backends: Annotated[
+        str | None,
+        typer.Option(
+            help="Comma-separated backends it runs, e.g. `cpu,dry-run` "
+            "(TRAINYARD_WORKER_BACKENDS; default: every backend this process can load)."
+        ),
+    ] = None,
+    labels: Annotated[
+        str | None,
+        typer.Option(help="Its labels, `k=v,k=v`, e.g. `gpu=h200` (TRAINYARD_WORKER_LABELS)."),
+    ] = None,
+    drain: Annotated[
+        str | None,
+        typer.Option(
+            help="Ask the running worker with this id to drain (stop claiming, finish or "
+            "hand back what it runs, exit), through the database, and return.",
+            metavar="WORKER_ID",
+        ),
+    ] = None,
+) -> None:
+    """Run a worker only (any number of them against Postgres), claiming only the jobs it
+    can run: of models in its pool, on its backends, asking for labels it has."""
     settings = _settings()
     _logging(settings.log_level)
-    asyncio.run(_run_worker())
+    if drain is not None:
+        asyncio.run(_drain(settings, drain))
+        return
+    overrides = {
+        key: value
+        for key, value in (
+            ("worker_pool", pool),
+            ("worker_backends", backends),
+            ("worker_labels", labels),
+        )
+        if value is not None
+    }
+    if overrides:
+        try:
+            settings = Settings.model_validate(
+                settings.model_dump() | overrides  # the options win over the variables
+            )
+        except ValidationError as exc:
+            for error in exc.errors():
+                option = "--" + str(error["loc"][0]).removeprefix("worker_") if error["loc"] else ""
+                message = str(error["msg"]).removeprefix("Value error, ")
+                typer.echo(f"trainyard worker: invalid {option}: {message}", err=True)
+            raise typer.Exit(2) from None
+    from app.backends import SPECS
+    from app.worker import capabilities_of
+
+    try:
+        capabilities = capabilities_of(settings)
+    except ValueError as exc:
+        typer.echo(f"trainyard worker: invalid --backends: {exc}", err=True)
+        raise typer.Exit(2) from None
+    if settings.worker_backends:  # told to run them: each must run here
+        for name in capabilities.backends:
+            refusal = SPECS[name].unavailable()
+            if refusal is not None:
+                typer.echo(f"trainyard worker: backend {name} cannot run here: {refusal}", err=True)
+                raise typer.Exit(2)
+    if not capabilities.backends:
+        typer.echo("trainyard worker: no backend can run here", err=True)
+        raise typer.Exit(2)
+    asyncio.run(_run_worker(settings))
 
 
-async def _run_worker() -> None:
+async def _drain(settings: Settings, worker_id: str) -> None:
+    from app.db import create_engine, write_connection
+    from app.errors import NotFoundError
+    from app.jobs.pools import request_drain
+
+    engine = create_engine(settings.database_url)
+    try:
+        async with write_connection(engine) as conn:
+            worker = await request_drain(conn, worker_id, lease_seconds=settings.lease_seconds)
+    except NotFoundError as exc:
+        typer.echo(f"trainyard worker: {exc.detail}", err=True)
+        raise typer.Exit(1) from None
+    finally:
+        await engine.dispose()
+    typer.echo(f"worker {worker.id}: drain asked; it stops claiming at its next heartbeat")
+
+
+async def _run_worker(settings: Settings) -> None:
     from app.process import Process
 
-    process = await Process.start(get_settings(), worker=True, api=False)
+    process = await Process.start(settings, worker=True, api=False)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     assert process.worker is not None
-    logging.getLogger(__name__).info("worker %s started", process.worker.id)
-    await stop.wait()
+    caps = process.worker.capabilities
+    logging.getLogger(__name__).info(
+        "worker %s started: pool %s, backends %s, labels %s",
+        process.worker.id,
+        caps.pool,
+        ",".join(caps.backends),
+        ",".join(f"{k}={v}" for k, v in caps.labels.items()) or "none",
+    )
+    drained = asyncio.create_task(process.worker.drain_asked.wait())
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait([drained, stopped], return_when=asyncio.FIRST_COMPLETED)
+    drained.cancel()
+    stopped.cancel()
     await process.close()
 
 

@@ -25,6 +25,7 @@ from app.api import (
     runs,
     training_jobs,
     webhooks,
+    workers,
 )
 from app.api.body import BODY_MODELS
 from app.ingest import edge
@@ -120,6 +121,7 @@ def create_app(
         models.backends_router,
         checkpoints.router,
         webhooks.router,
+        workers.router,
         docs.router(app),
         dashboard.router(),
     ]:
@@ -135,6 +137,7 @@ def create_app(
         runs.router,
         datasets.router,
         webhooks.router,
+        workers.router,
         gateway.router,
     ]
     _document_problems(app, reading_order, open_paths)

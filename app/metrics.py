@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from app.db import utcnow
+from app.jobs import pools
 from app.jobs.lifecycle import JobStatus
 from app.models import JobRow, WebhookDeliveryRow
 
@@ -58,6 +59,21 @@ class Metrics:
             registry=self.registry,
         )
 
+        self.pool_queue_depth = Gauge(
+            "trainyard_pool_queue_depth",
+            "Queued jobs due now, by the pool and backend of their model (what a pool's "
+            "autoscaler scales on)",
+            ["pool", "backend"],
+            registry=self.registry,
+        )
+        self.live_workers = Gauge(
+            "trainyard_live_workers",
+            "Live workers that claim (heartbeating within the lease time, not draining), by "
+            "pool and by backend they run",
+            ["pool", "backend"],
+            registry=self.registry,
+        )
+
     async def middleware(
         self, request: Request, call_next: Callable[[Request], Awaitable[Response]]
     ) -> Response:
@@ -72,8 +88,14 @@ class Metrics:
             self.requests.labels(request.method, route, str(status)).inc()
             self.latency.labels(request.method, route).observe(time.perf_counter() - start)
 
-    async def render(self, sessions: async_sessionmaker[AsyncSession]) -> tuple[bytes, str]:
+    async def render(
+        self, sessions: async_sessionmaker[AsyncSession], *, lease_seconds: float = 30.0
+    ) -> tuple[bytes, str]:
         async with sessions() as session:
+            by_pool = await pools.queue_by_pool(session)
+            live = pools.workers_by_pool(
+                await pools.live_workers(session, lease_seconds=lease_seconds)
+            )
             counts = (
                 await session.execute(
                     select(JobRow.kind, JobRow.status, func.count()).group_by(
@@ -97,6 +119,13 @@ class Metrics:
             for status in JobStatus:
                 self.jobs.labels(kind, status.value).set(seen.get((kind, status.value), 0))
         self.queue_depth.set(depth or 0)
+        # Pools come and go: a pool no job or worker is in any more drops out.
+        self.pool_queue_depth.clear()
+        for (pool, backend), count in by_pool.items():
+            self.pool_queue_depth.labels(pool, backend).set(count)
+        self.live_workers.clear()
+        for (pool, backend), count in live.items():
+            self.live_workers.labels(pool, backend).set(count)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 

@@ -40,6 +40,10 @@ class ModelRow(Base):
     step_known: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     inference_base_url: Mapped[str | None] = mapped_column(String(1024))
     inference_model_name: Mapped[str | None] = mapped_column(String(256))
+    # The pool whose workers run its jobs (NULL: `default`), and the labels such a worker
+    # must have (NULL: none) (migration 0011).
+    pool: Mapped[str | None] = mapped_column(String(64))
+    labels: Mapped[dict[str, str] | None] = mapped_column(JSONType)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
 
@@ -223,7 +227,8 @@ class JobEventRow(Base):
 
 
 class WorkerRow(Base):
-    """A worker process; its heartbeat tells /readyz that jobs are being picked up."""
+    """A worker process; its heartbeat tells /readyz that jobs are being picked up, and
+    what it can run (pool, backends, labels: migration 0011) which queued jobs wait for."""
 
     __tablename__ = "workers"
 
@@ -233,6 +238,15 @@ class WorkerRow(Base):
     started_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     heartbeat_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     stopped_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    pool: Mapped[str | None] = mapped_column(String(64))
+    backends: Mapped[list[str] | None] = mapped_column(JSONType)
+    labels: Mapped[dict[str, str] | None] = mapped_column(JSONType)
+    version: Mapped[str | None] = mapped_column(String(64))
+    # It stopped claiming and is finishing or handing back what it runs.
+    draining: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    # When a drain was asked of it (`POST /v1/workers/{id}/drain`, `trainyard worker
+    # --drain`); the worker reads it with its heartbeat.
+    drain_requested: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
 
 class WebhookEndpointRow(Base):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Literal
@@ -13,6 +14,47 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from app.egress import Rule
 
 DEFAULT_DATA_DIR = Path("var")
+DEFAULT_POOL = "default"
+POOL_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,62}[a-z0-9])?$"
+"""A pool name: a DNS label (it names Kubernetes objects too), at most 64 characters."""
+LABEL_KEY = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._/-]{0,62}[A-Za-z0-9])?$")
+LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?)?$")
+MAX_LABELS = 32
+
+
+def label_refusal(key: str, value: str) -> str | None:
+    """Why `key=value` is not a label (None: it is one). Keys and values as Kubernetes
+    labels: letters, digits, `.`, `_`, `-` (and `/` in a key), alphanumeric at both ends, at
+    most 64 and 63 characters; a value may be empty."""
+    if not LABEL_KEY.match(key):
+        return (
+            f"label key {key!r}: 1 to 64 letters, digits, '.', '_', '-', '/', "
+            "alphanumeric at both ends"
+        )
+    if not LABEL_VALUE.match(value):
+        return (
+            f"label {key!r}: value {value!r}: up to 63 letters, digits, '.', '_', '-', "
+            "alphanumeric at both ends"
+        )
+    return None
+
+
+def parse_labels(text: str) -> dict[str, str]:
+    """`k=v,k=v` as {k: v}; ValueError naming the bad entry."""
+    labels: dict[str, str] = {}
+    for entry in (part.strip() for part in text.split(",")):
+        if not entry:
+            continue
+        key, sep, value = entry.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep:
+            raise ValueError(f"label {entry!r}: write it as key=value")
+        if key in labels:
+            raise ValueError(f"label {key!r} given twice")
+        labels[key] = value
+    if len(labels) > MAX_LABELS:
+        raise ValueError(f"at most {MAX_LABELS} labels")
+    return labels
 
 
 class Settings(BaseSettings):
@@ -101,6 +143,24 @@ class Settings(BaseSettings):
     )
     worker_concurrency: int = Field(
         default=4, ge=1, description="Jobs one worker runs at once (at most one per model)."
+    )
+    worker_pool: str = Field(
+        default="default",
+        pattern=POOL_PATTERN,
+        description="Pool a `trainyard worker` serves (`--pool`): it claims only jobs of "
+        "models in this pool (a model without a pool is in `default`).",
+    )
+    worker_backends: Annotated[list[str] | None, NoDecode] = Field(
+        default=None,
+        description="Comma-separated backends a worker runs (`--backends`, e.g. "
+        "`cpu,dry-run`); it claims only jobs of models on them. Empty: every backend this "
+        "process can load (art-local needs CUDA and the gpu extra, art-serverless "
+        "WANDB_API_KEY).",
+    )
+    worker_labels: Annotated[dict[str, str], NoDecode] = Field(
+        default_factory=dict,
+        description="Labels of a worker (`--labels`, `k=v,k=v`, e.g. `gpu=h200,zone=a`): it "
+        "claims a model's jobs only if it has every label the model asks for.",
     )
     lease_seconds: float = Field(
         default=30.0,
@@ -256,6 +316,27 @@ class Settings(BaseSettings):
                     "comma-separated keys, or leave it empty to run without authentication"
                 )
             return keys
+        return value
+
+    @field_validator("worker_backends", mode="before")
+    @classmethod
+    def _split_backends(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [entry.strip() for entry in value.split(",") if entry.strip()] or None
+        return value
+
+    @field_validator("worker_labels", mode="before")
+    @classmethod
+    def _labels(cls, value: object) -> object:
+        return parse_labels(value) if isinstance(value, str) else value
+
+    @field_validator("worker_labels")
+    @classmethod
+    def _label_grammar(cls, value: dict[str, str]) -> dict[str, str]:
+        for key, label in value.items():
+            refusal = label_refusal(key, label)
+            if refusal:
+                raise ValueError(refusal)
         return value
 
     @field_validator(

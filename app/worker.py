@@ -15,10 +15,13 @@ from collections.abc import Mapping
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app.backends import SPECS, Backends, load_training_stack
+from app import __version__
+from app.backends import SPECS, Backends, load_training_stack, loadable_backends
 from app.backends.base import ModelSpec
 from app.db import is_unavailable
+from app.jobs import pools
 from app.jobs.lifecycle import Cancelled, ErrorInfo, JobKind, JobStatus, Recovered, Released
+from app.jobs.pools import Capabilities
 from app.jobs.store import Claim, Lease, LeaseState, QueueStore
 from app.jobs.supervise import KindRunner, RunContext
 from app.models import ModelRow
@@ -36,6 +39,18 @@ SERVE_RETRY_SECONDS = 30.0
 RUNNERS: Mapping[JobKind, KindRunner] = {JobKind.training: TRAINING, JobKind.rollout: ROLLOUT}
 
 
+def capabilities_of(settings: Settings) -> Capabilities:
+    """What a worker with these settings runs: its pool, its backends (unless told, every
+    backend this process can load), its labels. ValueError for an unknown backend."""
+    backends = settings.worker_backends or loadable_backends()
+    unknown = [name for name in backends if name not in SPECS]
+    if unknown:
+        raise ValueError(f"unknown backend {', '.join(unknown)}; known: {', '.join(sorted(SPECS))}")
+    return Capabilities(
+        settings.worker_pool, tuple(dict.fromkeys(backends)), dict(settings.worker_labels)
+    )
+
+
 class Worker:
     def __init__(
         self,
@@ -44,11 +59,18 @@ class Worker:
         store: QueueStore,
         backends: Backends,
         notifier: Notifier,
+        capabilities: Capabilities | None = None,
     ) -> None:
         self.settings = settings
         self.store = store
         self.backends = backends
         self.notifier = notifier
+        self.capabilities = capabilities or capabilities_of(settings)
+        # Set once a drain was asked of it (through the database: `POST
+        # /v1/workers/{id}/drain`, `trainyard worker --drain`): it has stopped claiming,
+        # and its process stops it (`stop`), which finishes or hands back what it runs.
+        self.drain_asked = asyncio.Event()
+        self.draining = False
         self.hostname = socket.gethostname()
         self.id = f"{self.hostname}:{os.getpid()}:{secrets.token_hex(3)}"
         self.tasks: dict[str, tuple[Lease, asyncio.Task[None]]] = {}  # by job id
@@ -93,10 +115,19 @@ class Worker:
         )
 
     async def _beat(self, *, stopped: bool = False) -> None:
-        await self.store.beat_worker(
-            worker_id=self.id, hostname=self.hostname, pid=os.getpid(), stopped=stopped
+        asked = await self.store.beat_worker(
+            worker_id=self.id,
+            hostname=self.hostname,
+            pid=os.getpid(),
+            stopped=stopped,
+            draining=self.draining,
+            registration=pools.registration(self.capabilities, __version__),
         )
         self.last_heartbeat = asyncio.get_running_loop().time()
+        if asked and not self.drain_asked.is_set():
+            log.info("worker %s: a drain was asked; it stops claiming", self.id)
+            self._stopping.set()  # the loop ends; `stop` finishes or hands back the rest
+            self.drain_asked.set()
 
     async def run(self) -> None:
         # The training stack (ART, and torch through it) loads lazily, so an API-only
@@ -145,7 +176,10 @@ class Worker:
             if free <= 0:
                 break
             claims = await self.store.claim(
-                owner=self.id, lease_seconds=self.settings.lease_seconds, limit=free
+                owner=self.id,
+                lease_seconds=self.settings.lease_seconds,
+                limit=free,
+                capabilities=self.capabilities,
             )
             for claim in claims:
                 lease = claim.lease
@@ -186,9 +220,13 @@ class Worker:
         await RUNNERS[claim.lease.kind].run(claim, self.context(claim.lease.job_id))
 
     async def stop(self, grace: float = 10.0) -> None:
-        """Stop claiming, let running jobs finish for `grace` seconds, then release them."""
+        """Stop claiming, let running jobs finish for `grace` seconds, then release them.
+        Its row says it is draining meanwhile (`GET /v1/workers`)."""
         self._stopping.set()
         self.notifier.jobs_changed()
+        self.draining = True
+        with contextlib.suppress(Exception):
+            await self._beat()
         if self._loop_task is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
@@ -216,9 +254,10 @@ class Worker:
     # -- serving ---------------------------------------------------------------------------
 
     async def serve_models(self) -> None:
-        """Register models whose backend serves inference here, so their endpoint shows
-        before their first job. Failures are logged and tried again every
-        SERVE_RETRY_SECONDS; the first job reports them."""
+        """Register models whose backend serves inference here (those this worker can run:
+        its pool, backends, labels), so their endpoint shows before their first job.
+        Failures are logged and tried again every SERVE_RETRY_SECONDS; the first job
+        reports them."""
         serving = [name for name, spec in SPECS.items() if spec.serves]
         async with self.engine.connect() as conn:
             rows = (
@@ -229,6 +268,8 @@ class Worker:
                         ModelRow.base_model,
                         ModelRow.config,
                         ModelRow.backend,
+                        ModelRow.pool,
+                        ModelRow.labels,
                     ).where(ModelRow.backend.in_(serving))
                 )
             ).all()
@@ -236,6 +277,8 @@ class Worker:
         for row in rows:
             if row.name in self.serving:
                 continue
+            if not self.capabilities.fits(row.pool, row.backend, row.labels):
+                continue  # another pool's, or a backend or label this worker lacks
             spec = ModelSpec(row.name, row.project, row.base_model, row.config)
             try:
                 adapter = self.backends.get(row.backend)

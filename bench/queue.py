@@ -4,7 +4,8 @@ dispatch: `trainyard serve`'s app with its embedded worker, served over loopback
 this process; the dry-run backend notes when `train` is called. Baseline: the POST's own
 round trip (submit -> 202), measured on the same requests.
 throughput: two `trainyard worker` processes on Postgres drain a burst of jobs over many
-models through claim -> train -> apply, with a dry-run backend that takes no time.
+models through claim -> train -> apply, with a dry-run backend that takes no time; the
+models are in a pool and ask for a label, so the claim checks pool, backend and labels.
 Baseline: empty write transactions per second on one Postgres connection.
 """
 
@@ -201,6 +202,12 @@ async def throughput(data_dir: Path, jobs: int = 3000, models: int = 60) -> dict
         "TRAINYARD_DATA_DIR": str(data_dir),
         "TRAINYARD_LOG_LEVEL": "warning",
         "TRAINYARD_WORKER_CONCURRENCY": "8",
+        # Pools and labels (README, "Worker pools"): the workers claim only jobs of models
+        # in their pool, on their backends, asking for labels they have; every model here
+        # asks for one, so the claim checks each part.
+        "TRAINYARD_WORKER_POOL": "bench",
+        "TRAINYARD_WORKER_BACKENDS": "dry-run",
+        "TRAINYARD_WORKER_LABELS": "gpu=h200,zone=a",
     }
     workers = [subprocess.Popen([TRAINYARD, "worker"], env=env) for _ in range(2)]
     try:
@@ -213,6 +220,8 @@ async def throughput(data_dir: Path, jobs: int = 3000, models: int = 60) -> dict
                     backend="dry-run",
                     config={},
                     current_step=0,
+                    pool="bench",
+                    labels={"gpu": "h200"},
                 )
                 for i in range(models)
             )

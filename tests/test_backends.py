@@ -139,7 +139,9 @@ async def test_backends_that_cannot_run_here_fail_the_job_clearly(
     serve, monkeypatch, backend, message
 ) -> None:
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    async with serve(worker_enabled=True) as live:
+    # Told to run it (a worker not told runs only the backends it can load: the job would
+    # wait, see test_pools.py), the worker fails the job clearly.
+    async with serve(worker_enabled=True, worker_backends=[backend]) as live:
         await live.client.post(
             "/v1/models",
             json={"name": "m", "base_model": "Qwen/Qwen2.5-0.5B-Instruct", "backend": backend},
@@ -150,6 +152,19 @@ async def test_backends_that_cannot_run_here_fail_the_job_clearly(
     assert done["attempts"] == 1  # permanent: not retried
     assert done["error"]["transient"] is False
     assert message in done["error"]["message"]
+
+
+async def test_a_worker_not_told_its_backends_runs_those_it_can_load(serve, monkeypatch) -> None:
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    async with serve(worker_enabled=True) as live:
+        assert live.app.state.worker.capabilities.backends == ("dry-run", "cpu")
+        await live.client.post(
+            "/v1/models", json={"name": "m", "base_model": "b", "backend": "art-serverless"}
+        )
+        job = (await f.submit(live.client, model="m")).json()
+        assert (
+            job["waiting_for"] == "no live worker in pool `default` runs backend `art-serverless`"
+        )
 
 
 @pytest.mark.torch

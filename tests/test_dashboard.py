@@ -281,6 +281,16 @@ def test_a_job_page_shows_its_events_live_and_a_cancel(page, server, tmp_path) -
     wait(page, lambda d: count(d, f"#rows tr[data-id='{job['id']}']"), "the job in the list")
 
 
+def test_a_job_page_says_what_a_waiting_job_waits_for(page, server) -> None:
+    url, client = server
+    body = f.model_body("far") | {"pool": "gpu", "labels": {"gpu": "h200"}}
+    assert client.post("/v1/models", json=body).status_code == 201
+    job = client.post("/v1/training-jobs", json={"model": "far", "collection": f.nat_collection()})
+    page.get(f"{url}/dashboard/#/training-jobs/{job.json()['id']}")
+    wait(page, lambda d: "queued" in text(d, "h2 .badge"), "the job's page")
+    assert text(page, "#waiting-for") == "Waiting: no live worker in pool `gpu`"
+
+
 def test_a_run_pauses_resumes_and_cancels_from_its_buttons(page, server) -> None:
     url, client = server
     created = client.post("/v1/runs", json=run_body(10_000))

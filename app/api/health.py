@@ -54,6 +54,8 @@ async def _worker(request: Request) -> Check:
     if worker is None:
         return Check(ok=True, detail="no worker in this process (TRAINYARD_WORKER_ENABLED=false)")
     settings = request.app.state.settings
+    if worker.drain_asked.is_set():  # asked on purpose: the API itself is still fine
+        return Check(ok=True, detail="drained: this process's worker claims nothing more")
     if worker.last_heartbeat is None:
         return Check(ok=False, detail="worker has not started yet")
     age = asyncio.get_running_loop().time() - worker.last_heartbeat
@@ -82,11 +84,18 @@ async def _models(request: Request) -> Check:
     worker = request.app.state.worker
     if worker is None:
         return Check(ok=True, detail="no worker here: worker processes serve the models")
+    if worker.drain_asked.is_set():
+        return Check(ok=True, detail="drained: this process's worker serves nothing new")
     serving = [name for name, spec in SPECS.items() if spec.serves]
     async with request.app.state.sessions() as session:
-        expected = set(
-            await session.scalars(select(ModelRow.name).where(ModelRow.backend.in_(serving)))
+        rows = await session.execute(
+            select(ModelRow.name, ModelRow.pool, ModelRow.backend, ModelRow.labels).where(
+                ModelRow.backend.in_(serving)
+            )
         )
+        # Only the models its pool, backends and labels let it run: those it serves.
+        fits = worker.capabilities.fits
+        expected = {row.name for row in rows if fits(row.pool, row.backend, row.labels)}
     missing = sorted(expected - set(worker.serving) - set(worker.not_served))
     if missing:
         return Check(ok=False, detail="not served yet: " + ", ".join(missing[:10]))
@@ -150,5 +159,8 @@ async def readyz(request: Request) -> Any:
     },
 )
 async def metrics(request: Request) -> Response:
-    body, content_type = await request.app.state.metrics.render(request.app.state.sessions)
+    metrics, settings = request.app.state.metrics, request.app.state.settings
+    body, content_type = await metrics.render(
+        request.app.state.sessions, lease_seconds=settings.lease_seconds
+    )
     return Response(body, media_type=content_type)

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Query, Request, Response
 from app.api.body import Reading, json_body, read_json
 from app.api.deps import Cursor, IdempotencyKey, JobId, ModelFilter, Reads, Session
 from app.api.job_events import add_event_routes
+from app.api.workers import with_waits
 from app.egress import EgressPolicy
 from app.jobs import service as jobs_service
 from app.jobs.lifecycle import JobKind, JobStatus
@@ -52,7 +53,7 @@ async def create(
     else:
         request.app.state.notifier.jobs_changed()
     response.headers["Location"] = f"/v1/rollout-jobs/{job.id}"
-    return service.to_wire(jobs_service.JobView.of(job))
+    return (await with_waits(request, [service.to_wire(jobs_service.JobView.of(job))]))[0]
 
 
 @router.get(
@@ -80,7 +81,9 @@ async def list_all(
         limit=limit,
         metadata=jobs_service.metadata_filters(request.query_params.multi_items()),
     )
-    return jobs_service.page_of(jobs, has_more, service.to_wire)
+    page = jobs_service.page_of(jobs, has_more, service.to_wire)
+    page.data = await with_waits(request, page.data)
+    return page
 
 
 @router.get(
@@ -89,8 +92,9 @@ async def list_all(
     summary="Get a rollout job",
     responses=problem_responses(404),
 )
-async def get(job_id: JobId, reader: Reads) -> RolloutJob:
-    return service.to_wire(await jobs_service.read_job(reader, job_id, kind=ROLLOUT))
+async def get(job_id: JobId, request: Request, reader: Reads) -> RolloutJob:
+    job = service.to_wire(await jobs_service.read_job(reader, job_id, kind=ROLLOUT))
+    return (await with_waits(request, [job]))[0]
 
 
 @router.post(

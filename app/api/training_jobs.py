@@ -9,6 +9,7 @@ from fastapi import APIRouter, Query, Request, Response
 from app.api.body import Reading, json_body, read_json
 from app.api.deps import Cursor, IdempotencyKey, JobId, ModelFilter, Reads, Session
 from app.api.job_events import add_event_routes
+from app.api.workers import with_waits
 from app.jobs import service as jobs
 from app.jobs.lifecycle import JobKind, JobStatus
 from app.schemas.common import Page, problem_responses
@@ -60,7 +61,7 @@ async def create(
     else:
         response.headers["Idempotent-Replayed"] = "true"
     response.headers["Location"] = f"/v1/training-jobs/{job.id}"
-    return service.to_wire(jobs.JobView.of(job))
+    return (await with_waits(request, [service.to_wire(jobs.JobView.of(job))]))[0]
 
 
 @router.get(
@@ -88,7 +89,9 @@ async def list_all(
         limit=limit,
         metadata=jobs.metadata_filters(request.query_params.multi_items()),
     )
-    return jobs.page_of(rows, has_more, service.to_wire)
+    page = jobs.page_of(rows, has_more, service.to_wire)
+    page.data = await with_waits(request, page.data)
+    return page
 
 
 @router.get(
@@ -97,8 +100,9 @@ async def list_all(
     summary="Get a training job",
     responses=problem_responses(404),
 )
-async def get(job_id: JobId, reader: Reads) -> TrainingJob:
-    return service.to_wire(await jobs.read_job(reader, job_id, kind=TRAINING))
+async def get(job_id: JobId, request: Request, reader: Reads) -> TrainingJob:
+    job = service.to_wire(await jobs.read_job(reader, job_id, kind=TRAINING))
+    return (await with_waits(request, [job]))[0]
 
 
 @router.post(

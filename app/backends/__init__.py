@@ -31,6 +31,9 @@ class BackendSpec:
     trainable_model: Callable[[ModelSpec, BaseModel], art.TrainableModel]
     serves: bool = False
     """Whether the backend serves models for inference from the worker's process."""
+    unavailable: Callable[[], str | None] = lambda: None
+    """Why this process cannot run the backend (None: it can), checked without building
+    it; a worker not told its backends runs those it can."""
 
 
 def _dry_run(settings: Settings) -> DryRunBackend:
@@ -82,6 +85,7 @@ SPECS: dict[str, BackendSpec] = {
         create=lambda settings: art_backends.create_local(settings.data_dir),
         trainable_model=art_backends.local_model,
         serves=True,
+        unavailable=art_backends.local_unavailable,
     ),
     "art-serverless": BackendSpec(
         name="art-serverless",
@@ -90,8 +94,14 @@ SPECS: dict[str, BackendSpec] = {
         config=art_backends.ArtServerlessConfig,
         create=lambda settings: art_backends.create_serverless(settings.data_dir),
         trainable_model=art_backends.serverless_model,
+        unavailable=art_backends.serverless_unavailable,
     ),
 }
+
+
+def loadable_backends() -> list[str]:
+    """The backends this process can run (what a worker runs unless told)."""
+    return [name for name, spec in SPECS.items() if spec.unavailable() is None]
 
 
 def validate_config(backend: str, config: dict[str, Any]) -> BaseModel:

@@ -51,13 +51,21 @@ class ArtServerlessConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-def create_local(data_dir: Path) -> Any:
+def local_unavailable() -> str | None:
+    """Why art-local cannot run in this process (None: it can)."""
     if importlib.util.find_spec("torch") is None or importlib.util.find_spec("unsloth") is None:
-        raise BackendError(GPU_HINT, transient=False)
+        return GPU_HINT
     import torch
 
     if not torch.cuda.is_available():
-        raise BackendError(f"no CUDA device is visible; {GPU_HINT}", transient=False)
+        return f"no CUDA device is visible; {GPU_HINT}"
+    return None
+
+
+def create_local(data_dir: Path) -> Any:
+    refusal = local_unavailable()
+    if refusal is not None:
+        raise BackendError(refusal, transient=False)
     from art.local import LocalBackend
 
     return LocalBackend(path=str(data_dir / "art"))
@@ -68,16 +76,20 @@ def local_model(spec: ModelSpec, config: BaseModel) -> art.TrainableModel:
     return trainable_model(spec, _internal_config=internal)
 
 
-def create_serverless(_data_dir: Path) -> Any:
+def serverless_unavailable() -> str | None:
+    """Why art-serverless cannot run in this process (None: it can)."""
     if not os.environ.get("WANDB_API_KEY"):
-        raise BackendError(
-            "art-serverless trains on W&B's serverless service: set WANDB_API_KEY", transient=False
-        )
+        return "art-serverless trains on W&B's serverless service: set WANDB_API_KEY"
     if importlib.util.find_spec("wandb") is None:
         # openpipe-art 0.5.18's ServerlessBackend.train imports wandb unconditionally.
-        raise BackendError(
-            "art-serverless needs the wandb package: pip install wandb", transient=False
-        )
+        return "art-serverless needs the wandb package: pip install wandb"
+    return None
+
+
+def create_serverless(_data_dir: Path) -> Any:
+    refusal = serverless_unavailable()
+    if refusal is not None:
+        raise BackendError(refusal, transient=False)
     import art
 
     return art.ServerlessBackend()

@@ -22,13 +22,16 @@ from sqlalchemy import (
     Table,
     Text,
     and_,
+    any_,
     bindparam,
     case,
+    column,
     exists,
     func,
     insert,
     literal,
     literal_column,
+    or_,
     select,
     true,
     update,
@@ -42,6 +45,7 @@ from app.jobs import outbox
 from app.jobs.events import database_clock
 from app.jobs.lifecycle import EventType, JobKind, JobStatus
 from app.models import JobEventRow, JobRow, ModelRow, WorkerRow
+from app.settings import DEFAULT_POOL
 
 RUNNING = JobStatus.running.value
 QUEUED = JobStatus.queued.value
@@ -128,10 +132,40 @@ def model_update(keys: tuple[str, ...]) -> Update:
     )
 
 
+def fits_worker(postgres: bool) -> list[ColumnElement[bool]]:
+    """The job's model is one the claiming worker can run: in its pool (`w_pool`; a model
+    without one is in `default`), on one of its backends (`w_backends`), asking only for
+    labels it has (`w_labels`: on Postgres a JSON object the model's labels must be
+    contained in; on SQLite the worker's `key=value` texts, each of the model's must be one
+    of them)."""
+    pool = func.coalesce(models.c.pool, literal(DEFAULT_POOL, String)) == bindparam(
+        "w_pool", type_=String
+    )
+    backend: ColumnElement[bool]
+    labels: ColumnElement[bool]
+    if postgres:
+        backend = models.c.backend == any_(bindparam("w_backends", type_=ARRAY(String)))
+        labels = models.c.labels.op("<@")(bindparam("w_labels", type_=JSONB))
+    else:
+        backend = models.c.backend.in_(bindparam("w_backends", expanding=True))
+        label = func.json_each(models.c.labels).table_valued(
+            column("key", String), column("value", String)
+        )
+        unmet = select(literal(1)).select_from(label)
+        unmet = unmet.where(
+            (label.c.key + literal("=", String) + label.c.value).not_in(
+                bindparam("w_labels", expanding=True)
+            )
+        )
+        labels = ~exists(unmet)
+    return [pool, backend, or_(models.c.labels.is_(None), labels)]
+
+
 @functools.cache
-def claim_query(lock_models: bool = False) -> Select[Any]:
+def claim_query(lock_models: bool = False, fitted: bool = False) -> Select[Any]:
     """A page of the oldest eligible queued jobs (due, their model not busy) with their
-    models, oldest first."""
+    models, oldest first. `fitted`: only jobs the claiming worker can run (`fits_worker`;
+    `lock_models` is Postgres)."""
     query = (
         select(
             jobs.c.id,
@@ -155,6 +189,8 @@ def claim_query(lock_models: bool = False) -> Select[Any]:
         .order_by(jobs.c.id)
         .limit(bindparam("page"))
     )
+    if fitted:
+        query = query.where(*fits_worker(postgres=lock_models))
     if lock_models:
         # Postgres: locking the model row too makes a concurrent claimer skip every job of a model
         # that is being claimed right now, instead of colliding on the unique index.
@@ -292,7 +328,7 @@ def _deliveries(job: Any, event: Any, seq: ColumnElement[Any]) -> Any:
 
 
 @functools.cache
-def claim_statement() -> Select[Any]:
+def claim_statement(fitted: bool = False) -> Select[Any]:
     """Postgres: `SqliteStore._claim_once`'s look, `TAKE` and the claim events as one
     statement.
 
@@ -301,7 +337,7 @@ def claim_statement() -> Select[Any]:
     `wanted`, each with its own lease token (md5 of a per-statement secret and the id),
     and each gets its `job_claimed` event. `candidates` tells whether the page was full.
     """
-    candidate = claim_query(lock_models=True).cte("candidate")
+    candidate = claim_query(lock_models=True, fitted=fitted).cte("candidate")
     first = (
         select(candidate)
         .ext(distinct_on(candidate.c.model_name))

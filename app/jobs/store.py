@@ -49,6 +49,7 @@ from app.jobs.lifecycle import (
 )
 from app.jobs.outbox import webhook_type
 from app.jobs.payloads import Payload
+from app.jobs.pools import Capabilities
 from app.jobs.statements import RUNNING, jobs, models, workers
 from app.models import JobRow
 
@@ -281,9 +282,18 @@ class QueueStore(ABC):
         return self.clock.lease_params(seconds)
 
     @abstractmethod
-    async def claim(self, *, owner: str, lease_seconds: float, limit: int = 1) -> list[Claim]:
+    async def claim(
+        self,
+        *,
+        owner: str,
+        lease_seconds: float,
+        limit: int = 1,
+        capabilities: Capabilities | None = None,
+    ) -> list[Claim]:
         """Take up to `limit` of the oldest eligible queued jobs, at most one per model.
-        Never two running jobs per model. Fewer than `limit`: no other job is eligible."""
+        Never two running jobs per model. Fewer than `limit`: no other job is eligible.
+        `capabilities`: only jobs a worker with them can run (`app.jobs.pools`); None:
+        any job."""
 
     async def heartbeat(
         self,
@@ -452,22 +462,46 @@ class QueueStore(ABC):
         return ModelSpec(name, row.project, row.base_model, row.config), row.backend
 
     async def beat_worker(
-        self, *, worker_id: str, hostname: str, pid: int, stopped: bool = False
-    ) -> None:
+        self,
+        *,
+        worker_id: str,
+        hostname: str,
+        pid: int,
+        stopped: bool = False,
+        draining: bool = False,
+        registration: dict[str, Any] | None = None,
+    ) -> bool:
+        """Record a worker's heartbeat (registering it the first time, with
+        `registration`: `app.jobs.pools.registration`). Returns whether a drain was asked
+        of it."""
         now = utcnow()
         values: dict[str, Any] = {"heartbeat_at": now}
         if stopped:
             values["stopped_at"] = now
+        if draining:
+            values["draining"] = True
         async with write_connection(self.engine) as conn:
-            result = await conn.execute(
-                update(workers).where(workers.c.id == worker_id).values(**values)
-            )
-            if result.rowcount == 0:
+            row = (
+                await conn.execute(
+                    update(workers)
+                    .where(workers.c.id == worker_id)
+                    .values(**values)
+                    .returning(workers.c.drain_requested)
+                )
+            ).one_or_none()
+            if row is None:
                 await conn.execute(
                     insert(workers).values(
-                        id=worker_id, hostname=hostname, pid=pid, started_at=now, **values
+                        id=worker_id,
+                        hostname=hostname,
+                        pid=pid,
+                        started_at=now,
+                        **values,
+                        **(registration or {}),
                     )
                 )
+                return False
+            return row.drain_requested is not None
 
 
 def _lease_state(row: Row[Any]) -> LeaseState:
@@ -485,12 +519,23 @@ def _lease_state(row: Row[Any]) -> LeaseState:
 class SqliteStore(QueueStore):
     """One process writes: a claim looks and takes inside one BEGIN IMMEDIATE transaction."""
 
-    async def claim(self, *, owner: str, lease_seconds: float, limit: int = 1) -> list[Claim]:
+    async def claim(
+        self,
+        *,
+        owner: str,
+        lease_seconds: float,
+        limit: int = 1,
+        capabilities: Capabilities | None = None,
+    ) -> list[Claim]:
         for _ in range(CLAIM_COLLISIONS):
             try:
                 async with write_connection(self.engine) as conn:
                     return await self._claim_once(
-                        conn, owner=owner, lease_seconds=lease_seconds, limit=limit
+                        conn,
+                        owner=owner,
+                        lease_seconds=lease_seconds,
+                        limit=limit,
+                        capabilities=capabilities,
                     )
             except IntegrityError:
                 # Another worker started a job of the same model between our read and write
@@ -499,14 +544,27 @@ class SqliteStore(QueueStore):
         return []
 
     async def _claim_once(
-        self, conn: AsyncConnection, *, owner: str, lease_seconds: float, limit: int
+        self,
+        conn: AsyncConnection,
+        *,
+        owner: str,
+        lease_seconds: float,
+        limit: int,
+        capabilities: Capabilities | None,
     ) -> list[Claim]:
         now = utcnow()
-        query = statements.claim_query()
+        query = statements.claim_query(fitted=capabilities is not None)
+        fit: dict[str, Any] = {}
+        if capabilities is not None:
+            fit = {
+                "w_pool": capabilities.pool,
+                "w_backends": list(capabilities.backends),
+                "w_labels": capabilities.label_pairs(),
+            }
         claims: list[Claim] = []
         while len(claims) < limit:
             wanted = limit - len(claims)
-            rows = (await conn.execute(query, {"now": now, "page": wanted * 4})).all()
+            rows = (await conn.execute(query, {"now": now, "page": wanted * 4, **fit})).all()
             picked: dict[str, Row[Any]] = {}
             for row in rows:
                 picked.setdefault(row.model_name, row)
@@ -556,9 +614,24 @@ class PostgresStore(QueueStore):
 
     clock = statements.LeaseClock.DATABASE
 
-    async def claim(self, *, owner: str, lease_seconds: float, limit: int = 1) -> list[Claim]:
+    async def claim(
+        self,
+        *,
+        owner: str,
+        lease_seconds: float,
+        limit: int = 1,
+        capabilities: Capabilities | None = None,
+    ) -> list[Claim]:
         """Each look is one statement (`statements.claim_statement`), so what one look
         claimed stays claimed if a later look collides."""
+        statement = statements.claim_statement(fitted=capabilities is not None)
+        fit: dict[str, Any] = {}
+        if capabilities is not None:
+            fit = {
+                "w_pool": capabilities.pool,
+                "w_backends": list(capabilities.backends),
+                "w_labels": dict(capabilities.labels),
+            }
         claims: list[Claim] = []
         collisions = 0
         async with self.engine.connect() as conn:
@@ -573,9 +646,10 @@ class PostgresStore(QueueStore):
                     "v_secret": secrets.token_hex(16),
                     "v_owner": owner,
                     "v_lease_seconds": lease_seconds,
+                    **fit,
                 }
                 try:
-                    rows = (await conn.execute(statements.claim_statement(), params)).all()
+                    rows = (await conn.execute(statement, params)).all()
                 except IntegrityError:
                     collisions += 1  # as in SqliteStore: another worker, same model
                     if collisions == CLAIM_COLLISIONS:

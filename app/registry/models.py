@@ -17,6 +17,7 @@ from app.gateway import PREFIX as GATEWAY_PREFIX
 from app.gateway import served_names
 from app.models import ModelRow
 from app.schemas.models import Model, ModelCreate
+from app.settings import DEFAULT_POOL
 
 
 def to_wire(row: ModelRow) -> Model:
@@ -27,6 +28,8 @@ def to_wire(row: ModelRow) -> Model:
         backend=row.backend,
         config=row.config,
         current_step=row.current_step,
+        pool=row.pool or DEFAULT_POOL,
+        labels=row.labels or {},
         # Where the backend serves the model (a loopback port that takes any key) stays
         # inside: the public endpoint is the gateway, behind the API's keys, under the API's
         # URL (`app.api.models` prefixes it); null while no worker serves the model.
@@ -75,11 +78,20 @@ async def create_model(
     await begin_write(session)
     existing = await session.get(ModelRow, body.name)
     if existing is not None:
-        same = (existing.project, existing.base_model, existing.backend, existing.config) == (
+        same = (
+            existing.project,
+            existing.base_model,
+            existing.backend,
+            existing.config,
+            existing.pool or DEFAULT_POOL,
+            existing.labels or {},
+        ) == (
             body.project,
             body.base_model,
             body.backend,
             config,
+            body.pool or DEFAULT_POOL,
+            body.labels or {},
         )
         if not same:
             raise ConflictError(f"a different model named {body.name!r} exists")
@@ -91,7 +103,10 @@ async def create_model(
         backend=body.backend,
         config=config,
         current_step=0,
+        pool=body.pool,
     )
+    if body.labels:  # none: SQL NULL (never a JSON null, which a claim would not read)
+        row.labels = dict(body.labels)
     session.add(row)
     await session.flush()
     return to_wire(row), True

@@ -19,6 +19,11 @@ from app.schemas.trajectories import (
     TrajectorySummary,
 )
 
+WAITING_FOR = (
+    'Queued, and no live worker can run it: why, e.g. "no live worker in pool `gpu` runs '
+    'backend `art-local`". It starts as soon as a worker that can registers. Null otherwise.'
+)
+
 
 class TrainingJobCreate(BaseModel):
     """Trajectories to train one step on: NAT's `collection` or ART-style `groups`, not both."""
@@ -147,6 +152,7 @@ class TrainingJob(BaseModel):
     attempts: int = Field(description="Times a worker started this job.")
     max_attempts: int
     cancel_requested: bool
+    waiting_for: str | None = Field(default=None, description=WAITING_FOR)
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None

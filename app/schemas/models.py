@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from app.schemas.common import NO_NUL, JsonObject
+from app.settings import DEFAULT_POOL, LABEL_KEY, LABEL_VALUE, MAX_LABELS, POOL_PATTERN
+
+LabelKey = Annotated[str, StringConstraints(pattern=LABEL_KEY.pattern)]
+LabelValue = Annotated[str, StringConstraints(pattern=LABEL_VALUE.pattern)]
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 
@@ -43,6 +47,18 @@ class ModelCreate(BaseModel):
         default_factory=dict,
         description="Backend configuration (see `GET /v1/backends` for its schema).",
     )
+    pool: str | None = Field(
+        default=None,
+        pattern=POOL_PATTERN,
+        description="Worker pool that runs its jobs (`trainyard worker --pool`); omitted: "
+        "`default`. Only workers of this pool that run its backend claim its jobs.",
+    )
+    labels: dict[LabelKey, LabelValue] | None = Field(
+        default=None,
+        max_length=MAX_LABELS,
+        description="Labels a worker must have to run its jobs (`trainyard worker --labels`), "
+        'e.g. `{"gpu": "h200"}`; omitted: none.',
+    )
 
 
 class Model(BaseModel):
@@ -54,6 +70,10 @@ class Model(BaseModel):
     backend: str
     config: dict[str, Any]
     current_step: int = Field(description="Latest trained step the backend reported.")
+    pool: str = Field(default=DEFAULT_POOL, description="Worker pool that runs its jobs.")
+    labels: dict[str, str] = Field(
+        default_factory=dict, description="Labels a worker must have to run its jobs."
+    )
     inference_base_url: str | None = Field(
         description="OpenAI-compatible endpoint serving the model while a worker serves it "
         "(null otherwise): the gateway, behind the API's keys, as `openai_base_url`. Where "

@@ -23,7 +23,7 @@ from app.schemas.graders import (
     OutboundUrl,
     WebhookGrader,
 )
-from app.schemas.jobs import JobError, JobProgress
+from app.schemas.jobs import WAITING_FOR, JobError, JobProgress
 from app.schemas.pieces import EACH, Piece
 
 ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
@@ -191,6 +191,7 @@ class RolloutJob(BaseModel):
     attempts: int
     max_attempts: int
     cancel_requested: bool
+    waiting_for: str | None = Field(default=None, description=WAITING_FOR)
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None

@@ -243,6 +243,7 @@ async function jobPage(kind, id, signal) {
       h("h2", {}, `${KINDS[kind].title.replace(/s$/, "")} `, h("code", {}, job.id), " ", badge(job.status)),
       actions([live && ["Cancel", `${base}/cancel`, refresh]]),
       progressBar(p.percent ?? (live ? null : 0), p.total != null ? `step ${p.step} of ${p.total}` : `step ${p.step}`),
+      job.waiting_for && h("div", { class: "waiting", id: "waiting-for" }, h("strong", {}, "Waiting"), ": ", job.waiting_for),
       facts([["Model", job.model], ["Attempts", `${job.attempts}/${job.max_attempts}`], ["Cancel requested", job.cancel_requested ? "yes" : null],
         ["Created", when(job.created_at)], ["Started", when(job.started_at)], ["Finished", when(job.finished_at)],
         ["Training job", job.training_job_id ? link(["training-jobs", job.training_job_id], job.training_job_id) : null]]),

@@ -76,6 +76,8 @@ OPERATIONS: dict[str, tuple[str, str]] = {
     "webhooks-deliveries": ("GET", "/v1/webhooks/{endpoint_id}/deliveries"),
     "webhooks-test": ("POST", "/v1/webhooks/{endpoint_id}/test"),
     "webhooks-rotate_secret": ("POST", "/v1/webhooks/{endpoint_id}/rotate-secret"),
+    "workers-list": ("GET", "/v1/workers"),
+    "workers-drain": ("POST", "/v1/workers/{worker_id}/drain"),
     "gateway-chat_completions": ("POST", "/openai/v1/chat/completions"),
     "gateway-models": ("GET", "/openai/v1/models"),
 }
@@ -205,10 +207,14 @@ def models_create(
     backend: str,
     project: str | None = None,
     config: Mapping[str, Any] | None = None,
+    pool: str | None = None,
+    labels: Mapping[str, str] | None = None,
 ) -> Call[m.Model]:
-    body = _body(name=name, project=project, base_model=base_model, backend=backend)
+    body = _body(name=name, project=project, base_model=base_model, backend=backend, pool=pool)
     if config is not None:
         body["config"] = dict(config)
+    if labels is not None:
+        body["labels"] = dict(labels)
     # The same model again is a 200 with it: a second copy changes nothing.
     return _replace(_call("models-create", _json(m.Model)), json=body)
 
@@ -565,6 +571,18 @@ def webhooks_rotate_secret(endpoint_id: str) -> Call[m.WebhookEndpointCreated]:
     # A second rotation would lose the secret the first answer carried: never resent.
     call = _call("webhooks-rotate_secret", _json(m.WebhookEndpointCreated), endpoint_id=endpoint_id)
     return _replace(call, resend=False)
+
+
+# --------------------------------------------------------------------------- workers
+
+
+def workers_list() -> Call[list[m.Worker]]:
+    return _call("workers-list", _json(list[m.Worker]))
+
+
+def workers_drain(worker_id: str) -> Call[m.Worker]:
+    # Asking twice changes nothing: resent like a read.
+    return _call("workers-drain", _json(m.Worker), worker_id=worker_id)
 
 
 # --------------------------------------------------------------------------- gateway

@@ -70,6 +70,7 @@ class Trainyard:
         self.runs = Runs(self)
         self.datasets = Datasets(self)
         self.webhooks = Webhooks(self)
+        self.workers = Workers(self)
         self.gateway = Gateway(self)
 
     @property
@@ -181,12 +182,21 @@ class Models(_Resource):
         backend: str,
         project: str | None = None,
         config: Mapping[str, Any] | None = None,
+        pool: str | None = None,
+        labels: Mapping[str, str] | None = None,
     ) -> m.Model:
         """Register a model (the same one again returns it; a different one by that name
-        is a ConflictError)."""
+        is a ConflictError). `pool`, `labels`: which workers run its jobs (a worker of
+        that pool, running its backend, with every label)."""
         return self._send(
             calls.models_create(
-                name=name, base_model=base_model, backend=backend, project=project, config=config
+                name=name,
+                base_model=base_model,
+                backend=backend,
+                project=project,
+                config=config,
+                pool=pool,
+                labels=labels,
             )
         )
 
@@ -679,6 +689,19 @@ class Webhooks(_Resource):
     def test(self, endpoint_id: str) -> m.WebhookDelivery:
         """Queue a `webhook.test` message for it; a worker sends it."""
         return self._send(calls.webhooks_test(endpoint_id))
+
+
+class Workers(_Resource):
+    @operation("workers-list")
+    def list(self) -> builtins.list[m.Worker]:
+        """Live workers: pool, backends, labels, the jobs each runs, draining."""
+        return self._send(calls.workers_list())
+
+    @operation("workers-drain")
+    def drain(self, worker_id: str) -> m.Worker:
+        """Ask a worker to drain: it stops claiming, finishes or hands back what it runs,
+        and exits."""
+        return self._send(calls.workers_drain(worker_id))
 
 
 class Gateway(_Resource):

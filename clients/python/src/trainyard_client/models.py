@@ -118,12 +118,29 @@ class Model(_Wire):
     backend: str
     config: dict[str, Any]
     current_step: int
+    pool: str = "default"
+    labels: dict[str, str] = {}
     inference_base_url: str | None
     inference_model_name: str | None
     openai_base_url: str | None = None
     openai_model_names: list[str] = []
     created_at: datetime
     updated_at: datetime
+
+
+class Worker(_Wire):
+    id: str
+    host: str
+    pid: int
+    pool: str
+    backends: list[str]
+    labels: dict[str, str]
+    version: str | None
+    started_at: datetime
+    heartbeat_at: datetime
+    jobs: list[str]
+    draining: bool
+    drain_requested_at: datetime | None
 
 
 class Backend(_Wire):
@@ -218,6 +235,7 @@ class _Job(_Ends):
     progress: JobProgress
     attempts: int
     max_attempts: int
+    waiting_for: str | None = None
 
 
 class TrainingJob(_Job):
