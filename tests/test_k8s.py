@@ -43,9 +43,7 @@ CUSTOM_KINDS = {
     ("keda.sh/v1alpha1", "TriggerAuthentication"): "keda.sh_triggerauthentications.yaml",
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "monitoring.coreos.com_servicemonitors.yaml",
 }
-# Settings the manifests set that arrive with branches not merged yet (checkpoint storage).
-# Empty this once `TRAINYARD_CHECKPOINT_URL` and its endpoint setting are in app/settings.py.
-ARRIVING_SETTINGS = {"TRAINYARD_CHECKPOINT_URL", "TRAINYARD_CHECKPOINT_ENDPOINT_URL"}
+ARRIVING_SETTINGS: set[str] = set()  # settings the manifests name before the code has them
 # A drain finishes (or hands back) the jobs a worker runs: a whole step must fit.
 MIN_DRAIN_SECONDS = 600
 
@@ -492,11 +490,6 @@ async def test_keda_queries_count_their_pools_jobs_on_postgres(
     assert pool_queries(rendered["cpu-only"]) == {"default": queries["default"]}
     engine = create_engine(keda_database)
     try:
-        async with engine.begin() as conn:
-            # `models.pool` arrives with worker pools (issue 26): drop this line once merged.
-            await conn.exec_driver_sql(
-                "ALTER TABLE models ADD COLUMN IF NOT EXISTS pool VARCHAR(64)"
-            )
         async with engine.begin() as conn:
             seq = 0
             for i, (pool, kind, status, n) in enumerate(SEEDED):

@@ -26,13 +26,13 @@ SKY_PYTHON = ROOT / ".venv-sky" / "bin" / "python"
 SECRETS = {
     "TRAINYARD_DATABASE_URL",
     "TRAINYARD_CHECKPOINT_URL",
-    "TRAINYARD_CHECKPOINT_ENDPOINT_URL",
+    "TRAINYARD_CHECKPOINT_S3_ENDPOINT",
     "AWS_ACCESS_KEY_ID",
     "AWS_SECRET_ACCESS_KEY",
 }
 # Settings the task names that arrive with a branch not merged yet (checkpoint storage);
 # empty this once they are in app/settings.py.
-ARRIVING_SETTINGS = {"TRAINYARD_CHECKPOINT_URL", "TRAINYARD_CHECKPOINT_ENDPOINT_URL"}
+ARRIVING_SETTINGS: set[str] = set()  # settings the manifests name before the code has them
 
 LOAD = """
 import json, sys
