@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ValidationError
 
 from app.backends import art_backends
+from app.backends.admission import Admission
 from app.backends.base import BackendError, ModelSpec, TrainerAdapter, trainable_model
 from app.backends.cpu import CpuBackend, CpuConfig, CpuHyperparameters
 from app.backends.dry_run import DryRunBackend, DryRunConfig
@@ -57,6 +58,7 @@ SPECS: dict[str, BackendSpec] = {
             model_roots=settings.allowed_model_roots(),
             host=settings.cpu_inference_host,
             port=settings.cpu_inference_port,
+            admission=Admission(settings.serving_max_tokens, settings.serving_retry_after_seconds),
         ),
         trainable_model=_model_with_config,
         serves=True,
