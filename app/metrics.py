@@ -96,6 +96,13 @@ class Metrics:
             ["where", "model"],
             registry=self.registry,
         )
+        self.serving_abandoned = Gauge(
+            "trainyard_serving_abandoned",
+            "Chat requests stopped unfinished because their client went away, since the "
+            "process started",
+            ["where", "model"],
+            registry=self.registry,
+        )
         self.serving_bound = Gauge(
             "trainyard_serving_max_tokens",
             "The bound on admitted work per model, in tokens",
@@ -129,10 +136,11 @@ class Metrics:
                     self.serving_tokens.labels(where, model, state).set(tokens)
                     self.serving_requests.labels(where, model, state).set(requests)
                 self.serving_oldest_wait.labels(where, model).set(load.oldest_wait_s)
-                refused, started, waited = totals.get(model, (0, 0, 0.0))
+                refused, started, waited, abandoned = totals.get(model, (0, 0, 0.0, 0))
                 self.serving_refused.labels(where, model).set(refused)
                 self.serving_started.labels(where, model).set(started)
                 self.serving_waited.labels(where, model).set(waited)
+                self.serving_abandoned.labels(where, model).set(abandoned)
 
     async def render(
         self,

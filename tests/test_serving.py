@@ -132,6 +132,7 @@ async def test_an_abandoned_request_is_cancelled_upstream_and_frees_its_admissio
     await until(_true(lambda: upstream.cancelled == 3), what="the upstream cancellations")
     await until(_zero(live, _in_flight("slow")), what="admission to drain")
     assert await _metric(live, 'trainyard_serving_started{model="slow",where="gateway"}') == 3
+    assert await _metric(live, 'trainyard_serving_abandoned{model="slow",where="gateway"}') == 3
     answer = await live.client.post("/openai/v1/chat/completions", json=_chat("fast"))
     assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"] == "yes"
 

@@ -164,6 +164,7 @@ async def chat_completions(request: Request) -> Response:
                 if not forward.done():
                     forward.cancel()
             if not forward.done() or forward.cancelled():
+                ticket.abandon()
                 return Response(status_code=499)  # nobody reads it
             response = forward.result()
             if isinstance(response, StreamingResponse):

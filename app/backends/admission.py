@@ -37,6 +37,7 @@ class Load:
 class _Model:
     tickets: dict[int, Ticket] = field(default_factory=dict)
     refused: int = 0
+    abandoned: int = 0
     waited_s: float = 0.0  # total queued time of the requests that started
     started: int = 0
 
@@ -54,6 +55,10 @@ class Ticket:
 
     def release(self) -> None:
         self._admission._release(self)
+
+    def abandon(self) -> None:
+        """Its caller went away and the work stopped unfinished (counted, then released)."""
+        self._admission._release(self, abandoned=True)
 
 
 class Refused(Exception):
@@ -99,9 +104,11 @@ class Admission:
                 state.started += 1
                 state.waited_s += ticket.started_at - ticket.admitted_at
 
-    def _release(self, ticket: Ticket) -> None:
+    def _release(self, ticket: Ticket, *, abandoned: bool = False) -> None:
         with self._lock:
-            self._models[ticket.model].tickets.pop(ticket._key, None)
+            state = self._models[ticket.model]
+            if state.tickets.pop(ticket._key, None) is not None and abandoned:
+                state.abandoned += 1
 
     def load(self) -> dict[str, Load]:
         """Every model's admitted work now (models seen before and idle: zeros)."""
@@ -121,10 +128,13 @@ class Admission:
                 loads[model] = load
             return loads
 
-    def totals(self) -> dict[str, tuple[int, int, float]]:
-        """Per model: (requests refused, requests started, their total queued seconds)."""
+    def totals(self) -> dict[str, tuple[int, int, float, int]]:
+        """Per model: (requests refused, requests started, their total queued seconds,
+        requests abandoned unfinished)."""
         with self._lock:
-            return {m: (s.refused, s.started, s.waited_s) for m, s in self._models.items()}
+            return {
+                m: (s.refused, s.started, s.waited_s, s.abandoned) for m, s in self._models.items()
+            }
 
     def saturated(self) -> list[str]:
         """Models whose admitted work is at the bound: new work would be refused."""

@@ -139,13 +139,14 @@ def create_inference_app(backend: CpuBackend) -> FastAPI:
                     break
             return await work
         except Abandoned:
+            ticket.abandon()
             return _error(499, "The client closed the request.", "client_closed_request")
         finally:
             abandoned.set()  # also when this handler is cancelled (the server stops)
             if work.done():
                 ticket.release()
             else:  # its thread releases it once it notices
-                work.add_done_callback(lambda _: ticket.release())
+                work.add_done_callback(lambda _: _settle(work, ticket))
 
     @app.exception_handler(Exception)
     async def _failed(_request: Any, exc: Exception) -> JSONResponse:
@@ -165,6 +166,12 @@ def create_inference_app(backend: CpuBackend) -> FastAPI:
 
 
 DISCONNECT_POLL_S = 0.2
+
+
+def _settle(work: asyncio.Future[Any], ticket: Ticket) -> None:
+    if not work.cancelled() and isinstance(work.exception(), Abandoned):
+        ticket.abandon()
+    ticket.release()
 
 
 def _max_tokens(request: ChatRequest) -> int:
