@@ -176,3 +176,28 @@ async def test_the_cpu_backend_reads_the_whole_chat_request(serve, tiny_model) -
                 f"{endpoint}/chat/completions", json={"model": name, "messages": PROMPT}
             )
             assert missing.status_code == 404
+
+
+async def test_a_cancelled_rollout_stops_its_sampling_at_the_backend(serve, tiny_model) -> None:
+    async with serve(worker_enabled=True, model_roots=[tiny_model.parent]) as live:
+        await _served(live, tiny_model)
+        response = await live.client.post(
+            "/v1/rollout-jobs",
+            json={
+                "model": "toy",
+                "examples": [{"id": "a", "messages": PROMPT, "expected": "yes"}],
+                "num_generations": 64,
+                "sampling": {"max_tokens": 1024, "temperature": 1.0},
+                "grader": {"type": "exact_match"},
+            },
+        )
+        assert response.status_code == 202, response.text
+        job = response.json()["id"]
+        await until(_at_least(live, "trainyard_serving_tokens", "cpu", 1), 120, "its sampling")
+        cancelled = await live.client.post(f"/v1/rollout-jobs/{job}/cancel")
+        assert cancelled.status_code in (200, 202), cancelled.text
+        # Its requests' connections closed: the backend stopped generating for them.
+        await until(_at_least(live, "trainyard_serving_abandoned", "cpu", 1), 120, "the stop")
+        await until(_at(live, "trainyard_serving_tokens", "cpu", 0), 120, "the cpu backend idle")
+        status = (await live.client.get(f"/v1/rollout-jobs/{job}")).json()["status"]
+        assert status in ("cancelling", "cancelled")
