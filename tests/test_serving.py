@@ -244,6 +244,23 @@ async def test_upstream_failures_reach_the_client_in_openais_envelope(replica) -
         ({"tools": [{"type": "function", "function": {}}]}, 400, "`tools[0].function.name`"),
         ({"tools": [{"type": "code"}]}, 400, "`tools[0].type`"),
         ({"tools": {"a": 1}}, 400, "`tools`"),
+        (
+            {"messages": [{"role": "assistant", "content": "x", "tool_calls": [None]}]},
+            400,
+            "`messages[0].tool_calls[0]`",
+        ),
+        (
+            {"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}]},
+            400,
+            "`messages[0].tool_calls[0].function`",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x", "tool_calls": []}]},
+            400,
+            "`messages[0].tool_calls`",
+        ),
+        ({"messages": [{"role": "tool", "content": "x", "tool_call_id": 1}]}, 400, "tool_call_id"),
+        ({"messages": [{"role": "user", "content": "x", "name": {}}]}, 400, "`messages[0].name`"),
         ({"model": "fast@"}, 404, "after `@`"),
         ({"model": "fast@01"}, 404, "after `@`"),
         ({"model": "fast@\u0661"}, 404, "after `@`"),  # an Arabic-Indic digit
@@ -277,7 +294,13 @@ async def test_the_whole_chat_request_is_forwarded_with_text_parts_joined(replic
                 "role": "user",
                 "content": [{"type": "text", "text": "say "}, {"type": "text", "text": "yes"}],
             },
-            {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+                ],
+            },
             {"role": "tool", "content": "ok", "tool_call_id": "1"},
         ],
         "seed": 2**63 - 1,

@@ -6,7 +6,9 @@ forwards a request, and what the cpu backend's endpoint checks before it samples
   an array of parts: `text` parts (and an assistant's `refusal` parts) are joined, parts a
   text model cannot take (`image_url`, `input_audio`, `file`, ...) are refused by path,
   e.g. `messages[0].content[1]`.
-- `tools[i]` is `{"type": "function", "function": {"name": ...}}`.
+- `tools[i]` is `{"type": "function", "function": {"name": ...}}`; an assistant's
+  `tool_calls[j]` is `{"id", "type": "function", "function": {"name", "arguments"}}`;
+  `name` and `tool_call_id` are strings.
 - Numeric fields are range-checked as OpenAI defines them (`seed` a signed 64-bit integer,
   `temperature` in [0, 2], `top_p` in [0, 1], `n` >= 1, `max_tokens` >= 1, ...).
 
@@ -81,11 +83,41 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
                 f"must be one of {', '.join(sorted(ROLES))}.",
                 "invalid_messages",
             )
+        for key in ("name", "tool_call_id"):
+            if message.get(key) is not None and not isinstance(message[key], str):
+                raise ChatInvalid(f"{where}.{key}", "must be a string.", "invalid_messages")
+        if message.get("tool_calls") is not None:
+            if role != "assistant":
+                raise ChatInvalid(
+                    f"{where}.tool_calls", "is for assistant messages only.", "invalid_messages"
+                )
+            _check_tool_calls(f"{where}.tool_calls", message["tool_calls"])
         content = _text(f"{where}.content", message.get("content"))
         if content is None and role != "assistant":
             raise ChatInvalid(f"{where}.content", "must be given.", "invalid_messages")
         normalized.append({**message, "content": content})
     return normalized
+
+
+def _check_tool_calls(path: str, calls: Any) -> None:
+    """`[{"id", "type": "function", "function": {"name", "arguments"}}]`, as OpenAI
+    returns them."""
+    if not isinstance(calls, list) or len(calls) > MAX_TOOLS:
+        raise ChatInvalid(path, f"must be an array of at most {MAX_TOOLS} tool calls.")
+    for index, call in enumerate(calls):
+        where = f"{path}[{index}]"
+        if not isinstance(call, dict) or call.get("type", "function") != "function":
+            raise ChatInvalid(where, "must be a tool call of type `function`.", "invalid_messages")
+        if not isinstance(call.get("id"), str):
+            raise ChatInvalid(f"{where}.id", "must be a string.", "invalid_messages")
+        function = call.get("function")
+        if not isinstance(function, dict):
+            raise ChatInvalid(f"{where}.function", "must be an object.", "invalid_messages")
+        for key in ("name", "arguments"):
+            if not isinstance(function.get(key), str):
+                raise ChatInvalid(
+                    f"{where}.function.{key}", "must be a string.", "invalid_messages"
+                )
 
 
 def check_tools(tools: Any) -> None:
