@@ -23,7 +23,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.backends import SPECS, Backends
+from app.backends.admission import Admission, Refused
 from app.backends.base import ModelSpec, classify
+from app.backends.openai_chat import is_step
 from app.checkpoints import service as checkpoints
 from app.models import ModelRow
 from app.schemas.checkpoints import ALIAS_PATTERN
@@ -68,8 +70,16 @@ class Route:
 
 
 def parse_model(requested: str) -> tuple[str, str]:
-    """`name`, `name@latest`, `name@N` -> (name, selector)."""
-    name, _, selector = requested.partition("@")
+    """`name`, `name@latest`, `name@N`, `name@alias` -> (name, selector). `name@` (an
+    empty selector) is refused, not read as the latest."""
+    name, at, selector = requested.partition("@")
+    if at and not selector:
+        raise GatewayError(
+            404,
+            f"The model `{requested}` does not exist: after `@` give a step number, "
+            f"`{LATEST}` or an alias.",
+            "model_not_found",
+        )
     return name, selector or LATEST
 
 
@@ -79,11 +89,35 @@ def served_names(row: ModelRow) -> list[str]:
 
 
 class Gateway:
-    def __init__(self, backends: Backends, *, serves_here: bool, timeout: float = 600.0) -> None:
-        """`serves_here`: this process runs a worker, whose backends serve its models."""
+    def __init__(
+        self,
+        backends: Backends,
+        *,
+        serves_here: bool,
+        timeout: float = 600.0,
+        admission: Admission | None = None,
+    ) -> None:
+        """`serves_here`: this process runs a worker, whose backends serve its models.
+        `admission`: the bound on work forwarded per model (`app.backends.admission`)."""
         self.backends = backends
         self.serves_here = serves_here
         self._timeout = timeout
+        self.admission = admission or Admission()
+
+    def admit(self, model: str, tokens: int) -> Any:
+        """A ticket for `tokens` of work on `model`, or a 429 `GatewayError`."""
+        try:
+            ticket = self.admission.admit(model, tokens)
+        except Refused as exc:
+            raise GatewayError(
+                429,
+                str(exc),
+                "model_saturated",
+                kind="rate_limit_error",
+                retry_after=exc.retry_after,
+            ) from exc
+        ticket.start()
+        return ticket
 
     @functools.cached_property
     def client(self) -> httpx.AsyncClient:
@@ -138,7 +172,7 @@ class Gateway:
         one the user set: `app.checkpoints`)."""
         if selector == LATEST:
             return row.current_step
-        if selector.isdigit() and int(selector) <= MAX_STEP:
+        if is_step(selector) and int(selector) <= MAX_STEP:
             step = int(selector)
             if step > row.current_step:
                 raise GatewayError(
@@ -187,7 +221,34 @@ class Gateway:
             raise _unavailable(route.model_name, f"{type(exc).__name__}: {exc}") from exc
         finally:
             await upstream.aclose()
+        if upstream.status_code >= 400 and not _is_envelope(content):
+            raise _upstream_failed(route.model_name, upstream.status_code, content)
         return Response(content, status_code=upstream.status_code, headers=relayed)
+
+
+def _is_envelope(content: bytes) -> bool:
+    try:
+        parsed = json.loads(content)
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(parsed, dict) and isinstance(parsed.get("error"), dict)
+
+
+def _upstream_failed(name: str, status: int, content: bytes) -> GatewayError:
+    """An error answer that is not OpenAI's envelope (text, HTML, a traceback): the client
+    gets the envelope, with the start of what the endpoint said."""
+    text = content[:2000].decode("utf-8", "replace").strip().splitlines()
+    said = text[-1][:300] if text else "no detail"
+    if status >= 500 or status < 400:
+        return GatewayError(
+            502,
+            f"The endpoint serving `{name}` failed (HTTP {status}: {said}).",
+            "upstream_error",
+            kind="server_error",
+        )
+    return GatewayError(
+        status, f"The endpoint serving `{name}` refused the request: {said}", "upstream_error"
+    )
 
 
 async def _relay(upstream: httpx.Response) -> AsyncIterator[bytes]:

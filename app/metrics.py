@@ -1,5 +1,6 @@
 """Prometheus metrics: HTTP traffic (middleware), job and webhook delivery counts (read at
-scrape time)."""
+scrape time), and serving saturation: each admission's work per model (`where`: `gateway`,
+or the backend whose endpoint admits it)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from starlette.requests import Request
 from starlette.responses import Response
 
+from app.backends.admission import Admission
 from app.db import utcnow
 from app.jobs import pools
 from app.jobs.lifecycle import JobStatus
@@ -58,6 +60,56 @@ class Metrics:
             "Queued jobs that are eligible to run now",
             registry=self.registry,
         )
+        serving = ["where", "model", "state"]
+        self.serving_tokens = Gauge(
+            "trainyard_serving_tokens",
+            "Admitted chat work per model, in tokens (n x max_tokens): in_flight or queued",
+            serving,
+            registry=self.registry,
+        )
+        self.serving_requests = Gauge(
+            "trainyard_serving_requests",
+            "Admitted chat requests per model: in_flight or queued (the serving queue depth)",
+            serving,
+            registry=self.registry,
+        )
+        self.serving_oldest_wait = Gauge(
+            "trainyard_serving_oldest_wait_seconds",
+            "How long the oldest queued chat request of a model has waited",
+            ["where", "model"],
+            registry=self.registry,
+        )
+        self.serving_waited = Gauge(
+            "trainyard_serving_waited_seconds",
+            "Total queued time of the chat requests that started, since the process started",
+            ["where", "model"],
+            registry=self.registry,
+        )
+        self.serving_started = Gauge(
+            "trainyard_serving_started",
+            "Chat requests that started, since the process started",
+            ["where", "model"],
+            registry=self.registry,
+        )
+        self.serving_refused = Gauge(
+            "trainyard_serving_refused",
+            "Chat requests refused with 429 (the model was saturated), since the process started",
+            ["where", "model"],
+            registry=self.registry,
+        )
+        self.serving_abandoned = Gauge(
+            "trainyard_serving_abandoned",
+            "Chat requests stopped unfinished because their client went away, since the "
+            "process started",
+            ["where", "model"],
+            registry=self.registry,
+        )
+        self.serving_bound = Gauge(
+            "trainyard_serving_max_tokens",
+            "The bound on admitted work per model, in tokens",
+            ["where"],
+            registry=self.registry,
+        )
 
         self.pool_queue_depth = Gauge(
             "trainyard_pool_queue_depth",
@@ -88,9 +140,32 @@ class Metrics:
             self.requests.labels(request.method, route, str(status)).inc()
             self.latency.labels(request.method, route).observe(time.perf_counter() - start)
 
+    def serving(self, admissions: dict[str, Admission]) -> None:
+        for where, admission in admissions.items():
+            self.serving_bound.labels(where).set(admission.max_tokens)
+            totals = admission.totals()
+            for model, load in admission.load().items():
+                for state, tokens, requests in (
+                    ("in_flight", load.in_flight_tokens, load.in_flight_requests),
+                    ("queued", load.queued_tokens, load.queued_requests),
+                ):
+                    self.serving_tokens.labels(where, model, state).set(tokens)
+                    self.serving_requests.labels(where, model, state).set(requests)
+                self.serving_oldest_wait.labels(where, model).set(load.oldest_wait_s)
+                refused, started, waited, abandoned = totals.get(model, (0, 0, 0.0, 0))
+                self.serving_refused.labels(where, model).set(refused)
+                self.serving_started.labels(where, model).set(started)
+                self.serving_waited.labels(where, model).set(waited)
+                self.serving_abandoned.labels(where, model).set(abandoned)
+
     async def render(
-        self, sessions: async_sessionmaker[AsyncSession], *, lease_seconds: float = 30.0
+        self,
+        sessions: async_sessionmaker[AsyncSession],
+        admissions: dict[str, Admission] | None = None,
+        *,
+        lease_seconds: float = 30.0,
     ) -> tuple[bytes, str]:
+        self.serving(admissions or {})
         async with sessions() as session:
             by_pool = await pools.queue_by_pool(session)
             live = pools.workers_by_pool(

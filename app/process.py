@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from app.backends import Backends
+from app.backends.admission import Admission
 from app.db import POOL_SPARE, Reader, create_engine, create_sessionmaker
 from app.gateway import Gateway
 from app.jobs.store import QueueStore, store_for
@@ -67,7 +68,8 @@ class Process:
         store = store_for(engine)
         notifier = Notifier()
         backends = Backends(settings, backend_overrides)
-        gateway = Gateway(backends, serves_here=worker)
+        admission = Admission(settings.serving_max_tokens, settings.serving_retry_after_seconds)
+        gateway = Gateway(backends, serves_here=worker, admission=admission)
         sessions = create_sessionmaker(engine)
         reader = Reader(engine, sqlite_busy_timeout=settings.sqlite_busy_timeout_seconds)
         process = cls(settings, engine, sessions, reader, store, notifier, backends, gateway, None)

@@ -237,6 +237,17 @@ class Settings(BaseSettings):
     cpu_inference_port: int = Field(
         default=0, ge=0, le=65535, description="Its port; 0 picks a free one at start."
     )
+    serving_max_tokens: int = Field(
+        default=131_072,
+        ge=1,
+        description="Work admitted per served model at once, in flight and queued, counted in "
+        "tokens (`n x max_tokens` of each chat request). Past it the gateway and the cpu "
+        "backend's endpoint answer 429 with `Retry-After` (runs and rollouts wait their turn). "
+        "A model with nothing admitted takes any one request.",
+    )
+    serving_retry_after_seconds: int = Field(
+        default=1, ge=1, le=3600, description="`Retry-After` of a 429 for a saturated model."
+    )
     public_url: str = Field(
         default="",
         description="The URL clients reach this API at, e.g. `https://trainyard.example`: "

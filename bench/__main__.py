@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from bench import (
+    abandoned,
     api_start,
     checkpoints,
     cpu_step,
@@ -30,6 +31,7 @@ def main() -> None:
     asyncio.run(fanout.run())
     asyncio.run(runs.run())
     checkpoints.run()
+    abandoned.run()
 
 
 if __name__ == "__main__":

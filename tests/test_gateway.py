@@ -159,7 +159,7 @@ async def test_readyz_waits_for_every_served_model_to_answer(serve, tiny_model) 
             await asyncio.sleep(0.05)
         assert (await checks())["models"] == {
             "ok": True,
-            "detail": "1 model(s) served and answering",
+            "detail": "1 model(s) served and answering; 0 request(s) queued, the oldest for 0.0s",
         }
         # The model's endpoint goes away: the process is not ready, and says which check.
         await live.app.state.backends.get("cpu").backend.close()

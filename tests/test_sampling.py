@@ -202,6 +202,17 @@ async def test_waits_at_least_what_retry_after_asks(fake: FakeOpenAI) -> None:
     assert 0.3 <= elapsed < 3.0  # 10x what it asked: a loaded machine adds, never waits less
 
 
+async def test_a_saturated_endpoint_is_waited_out_without_spending_attempts(
+    fake: FakeOpenAI,
+) -> None:
+    """429 (admission control): runs and rollouts wait their turn rather than fail."""
+    fake.fail_first, fake.fail_status = 6, 429
+    async with SamplingClient(fake.base_url, None, retries=1, backoff=0.01) as client:
+        result = await client.chat(BODY)
+    assert result["choices"][0]["message"]["content"] == "answer 7"
+    assert fake.requests == 7
+
+
 async def test_exhausted_retries_are_a_transient_error_with_the_last_message(
     fake: FakeOpenAI,
 ) -> None:

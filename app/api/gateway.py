@@ -3,18 +3,28 @@ behind the API's keys, with errors in OpenAI's envelope."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
+from fastapi.responses import StreamingResponse
 from sqlalchemy import select
+from starlette.background import BackgroundTask
 
 from app.api.body import parse_json
 from app.backends import SPECS
+from app.backends.openai_chat import ChatInvalid, check_chat
 from app.errors import format_path
-from app.gateway import PREFIX, Gateway, GatewayError, served_names
+from app.gateway import PREFIX, Gateway, GatewayError, parse_model, served_names
 from app.ingest import jsontext
 from app.models import ModelRow
 from app.schemas.common import problem_responses
+
+log = logging.getLogger(__name__)
+DISCONNECT_POLL_S = 0.2
+# Counted for a request that states no `max_tokens` (the cpu backend's most per answer).
+UNSTATED_MAX_TOKENS = 1024
 
 router = APIRouter(prefix=PREFIX, tags=["gateway"], responses=problem_responses(401))
 
@@ -42,6 +52,12 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
             "No such model or step, or the model is not served (its backend serves none, "
             "or cannot run here).",
         ),
+        (
+            429,
+            "The model is saturated: its admitted work (n x max_tokens) is at the bound "
+            "(Retry-After).",
+        ),
+        (502, "The serving endpoint failed."),
         (503, "The serving endpoint is not reachable right now (Retry-After)."),
     ]
 }
@@ -98,12 +114,26 @@ async def _chat_request(request: Request) -> dict[str, Any]:
     model = body.get("model")
     if not isinstance(model, str) or not model or len(model) > 300 or "\x00" in model:
         raise GatewayError(400, "`model` must be a model name (see GET /models).", "invalid_model")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise GatewayError(400, "`messages` must be a non-empty list.", "invalid_messages")
-    if not isinstance(body.get("stream", False), bool):
-        raise GatewayError(400, "`stream` must be a boolean.", "invalid_stream")
-    return body
+    try:
+        return check_chat(body)
+    except ChatInvalid as exc:
+        raise GatewayError(400, exc.message, exc.code) from exc
+
+
+def _tokens(body: dict[str, Any]) -> int:
+    """The work a request asks for, as admission counts it: `n x max_tokens`."""
+    most = body.get("max_completion_tokens") or body.get("max_tokens") or UNSTATED_MAX_TOKENS
+    return int(body.get("n") or 1) * int(most)
+
+
+async def _until_disconnected(request: Request) -> None:
+    """Returns once the client has gone away (the body is read: what is left to receive
+    is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+        await asyncio.sleep(DISCONNECT_POLL_S)  # more body: not expected; never a busy loop
 
 
 @router.post(
@@ -114,14 +144,44 @@ async def _chat_request(request: Request) -> dict[str, Any]:
     openapi_extra=_CHAT_BODY,
 )
 async def chat_completions(request: Request) -> Response:
+    gateway = _gateway(request)
     try:
         body = await _chat_request(request)
         # A short session: none is held while the endpoint answers.
         async with request.app.state.sessions() as session:
-            route = await _gateway(request).resolve(session, body["model"])
-        return await _gateway(request).forward(route, "/chat/completions", body)
+            route = await gateway.resolve(session, body["model"])
+        ticket = gateway.admit(parse_model(body["model"])[0], _tokens(body))
+        released_later = False
+        try:
+            # The client may go away while the endpoint works: then the upstream request
+            # is cancelled (its connection closed), and the endpoint stops generating.
+            forward = asyncio.ensure_future(gateway.forward(route, "/chat/completions", body))
+            gone = asyncio.ensure_future(_until_disconnected(request))
+            try:
+                await asyncio.wait({forward, gone}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                gone.cancel()
+                if not forward.done():
+                    forward.cancel()
+            if not forward.done() or forward.cancelled():
+                ticket.abandon()
+                return Response(status_code=499)  # nobody reads it
+            response = forward.result()
+            if isinstance(response, StreamingResponse):
+                # Admitted until the stream ends (or its client goes away).
+                response.background = BackgroundTask(ticket.release)
+                released_later = True
+            return response
+        finally:
+            if not released_later:
+                ticket.release()
     except GatewayError as exc:
         return exc.response()
+    except Exception as exc:  # never a text/plain traceback to an OpenAI client
+        log.exception("gateway: chat completion failed")
+        return GatewayError(
+            500, f"The gateway failed: {type(exc).__name__}.", "internal_error", kind="server_error"
+        ).response()
 
 
 @router.get(

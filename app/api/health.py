@@ -11,6 +11,7 @@ from pydantic import BaseModel, Field
 from sqlalchemy import select
 
 from app.backends import SPECS
+from app.backends.admission import Admission
 from app.errors import PROBLEM_JSON
 from app.migrate import current_revision, head_revision
 from app.models import ModelRow
@@ -76,16 +77,42 @@ async def _backends(request: Request) -> Check:
     return Check(ok=True, detail="all backends in use are reachable")
 
 
+def admissions(request: Request) -> dict[str, Admission]:
+    """Where this process admits chat work: the gateway, and each active backend whose
+    endpoint has its own admission (the cpu backend's)."""
+    found = {"gateway": request.app.state.gateway.admission}
+    for name, adapter in request.app.state.backends.active.items():
+        admission = getattr(adapter.backend, "admission", None)
+        if isinstance(admission, Admission):
+            found[name] = admission
+    return found
+
+
+def _saturation(request: Request) -> tuple[list[str], str]:
+    """(models at their bound, a line on the serving queues)."""
+    saturated, queued, oldest = [], 0, 0.0
+    for where, admission in admissions(request).items():
+        saturated += [f"{model} ({where})" for model in admission.saturated()]
+        for load in admission.load().values():
+            queued += load.queued_requests
+            oldest = max(oldest, load.oldest_wait_s)
+    return saturated, f"{queued} request(s) queued, the oldest for {oldest:.1f}s"
+
+
 async def _models(request: Request) -> Check:
     """Every model this process is meant to serve has been served (a restarted process is
-    not ready before its endpoints are up), and every endpoint answers. A model that cannot
-    be served (its backend or base model is broken) is named but does not hold readiness:
-    one bad registration must not take the whole service out of rotation."""
+    not ready before its endpoints are up), every endpoint answers, and no model is
+    saturated (its admitted work at `serving_max_tokens`: new requests would get 429). A
+    model that cannot be served (its backend or base model is broken) is named but does not
+    hold readiness: one bad registration must not take the whole service out of rotation."""
+    saturated, queues = _saturation(request)
+    if saturated:
+        return Check(ok=False, detail=f"saturated: {', '.join(saturated[:10])}; {queues}")
     worker = request.app.state.worker
     if worker is None:
-        return Check(ok=True, detail="no worker here: worker processes serve the models")
+        return Check(ok=True, detail=f"no worker here: worker processes serve the models; {queues}")
     if worker.drain_asked.is_set():
-        return Check(ok=True, detail="drained: this process's worker serves nothing new")
+        return Check(ok=True, detail=f"drained: this process's worker serves nothing new; {queues}")
     serving = [name for name, spec in SPECS.items() if spec.serves]
     async with request.app.state.sessions() as session:
         rows = await session.execute(
@@ -104,7 +131,7 @@ async def _models(request: Request) -> Check:
     for url in {worker.serving[name] for name in served}:
         if url:  # any answer will do: the endpoint is up
             await client.get(f"{url.rstrip('/')}/models", timeout=2.0)
-    detail = f"{len(served)} model(s) served and answering"
+    detail = f"{len(served)} model(s) served and answering; {queues}"
     broken = sorted(expected & set(worker.not_served))
     if broken:
         detail += "; cannot serve: " + ", ".join(broken[:10])
@@ -161,6 +188,6 @@ async def readyz(request: Request) -> Any:
 async def metrics(request: Request) -> Response:
     metrics, settings = request.app.state.metrics, request.app.state.settings
     body, content_type = await metrics.render(
-        request.app.state.sessions, lease_seconds=settings.lease_seconds
+        request.app.state.sessions, admissions(request), lease_seconds=settings.lease_seconds
     )
     return Response(body, media_type=content_type)

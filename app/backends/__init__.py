@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ValidationError
 
 from app.backends import art_backends
+from app.backends.admission import Admission
 from app.backends.base import BackendError, ModelSpec, TrainerAdapter, trainable_model
 from app.backends.cpu import CpuBackend, CpuConfig, CpuHyperparameters
 from app.backends.dry_run import DryRunBackend, DryRunConfig
@@ -49,6 +50,7 @@ def _cpu(settings: Settings) -> CpuBackend:
         model_roots=settings.allowed_model_roots(),
         host=settings.cpu_inference_host,
         port=settings.cpu_inference_port,
+        admission=Admission(settings.serving_max_tokens, settings.serving_retry_after_seconds),
     )
 
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from app.backends.admission import Admission
 from app.backends.base import TOTAL_KEY, report_gradient_step
 from app.backends.checkpoints import CheckpointDirs
 from app.backends.storage import Shelf
@@ -84,8 +85,10 @@ class CpuBackend(CheckpointDirs):
         model_roots: Sequence[Path],
         host: str = "127.0.0.1",
         port: int = 0,
+        admission: Admission | None = None,
     ) -> None:
         super().__init__(path, shelf=shelf)
+        self.admission = admission or Admission()
         self.host, self.port = host, port
         self.model_roots = list(model_roots)
         self._policies: dict[str, Any] = {}

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
+from app.backends.admission import Abandoned
 from app.backends.seeding import seeded
 
 # A service's log is no place for loading progress bars.
@@ -156,15 +157,19 @@ class Policy:
         top_logprobs: int,
         stop_ids: set[int],
         seed: int | None,
+        abandoned: Callable[[], bool] = lambda: False,
     ) -> list[Sample]:
         """Sample `n` completions; logprobs are the model's own (before temperature), as
-        vLLM reports them by default."""
+        vLLM reports them by default. `abandoned` is asked before every token: once it says
+        yes, sampling stops and raises `Abandoned` (its caller went away)."""
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
         input_ids = torch.tensor([prompt_ids] * n)
         past = None
         samples = [Sample([], [], [], "length") for _ in range(n)]
         active = list(range(n))
         for _ in range(max_tokens):
+            if abandoned():
+                raise Abandoned("the request was abandoned")
             out = self.model(input_ids=input_ids, past_key_values=past, use_cache=True)
             past = out.past_key_values
             logits = out.logits[:, -1, :].float()

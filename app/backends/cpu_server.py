@@ -3,7 +3,11 @@ with logprobs (tokens as `token_id:N`, as ART's vLLM returns them), for every re
 model as `name@step`: its latest adapter, or any past step whose checkpoint is on disk.
 
 Limits (each refused with a 400 in OpenAI's envelope naming the field): at most
-`MAX_TOKENS` tokens per answer, `MAX_N` answers per request, no streaming. `tools` go
+`MAX_TOKENS` tokens per answer, `MAX_N` answers per request, no streaming; messages are
+read as `app.backends.openai_chat` defines them (content parts joined). Work per model is
+bounded by the backend's `Admission` (`n x max_tokens` admitted at once; past it a 429 with
+`Retry-After`), and a request whose client goes away stops: between tokens while it
+samples, and while it waits for the model. `tools` go
 through the model's chat template; tool calls the model writes in the Hermes/Qwen
 `<tool_call>` convention come back as OpenAI `tool_calls` (`app.backends.tool_calls`).
 
@@ -13,18 +17,29 @@ It binds loopback by default and checks no key (the key it hands out is a placeh
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 import uvicorn
-from fastapi import FastAPI, HTTPException
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from app.backends.admission import Abandoned, Refused, Ticket
+from app.backends.openai_chat import (
+    INT64_MAX,
+    INT64_MIN,
+    ChatInvalid,
+    check_tools,
+    is_step,
+    normalize_messages,
+)
 from app.backends.tool_calls import parse_tool_calls
 
 if TYPE_CHECKING:
@@ -33,6 +48,7 @@ if TYPE_CHECKING:
 
 MAX_TOKENS = 1024
 MAX_N = 64
+DEFAULT_MAX_TOKENS = 64
 
 
 class ChatRequest(BaseModel):
@@ -55,7 +71,7 @@ class ChatRequest(BaseModel):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
 
 
 def _error(status: int, message: str, code: str) -> JSONResponse:
@@ -95,40 +111,129 @@ def create_inference_app(backend: CpuBackend) -> FastAPI:
         return {"object": "list", "data": data}
 
     @app.post("/v1/chat/completions", response_model=None)
-    def chat(request: ChatRequest) -> dict[str, Any] | JSONResponse:
+    async def chat(request: ChatRequest, http: Request) -> dict[str, Any] | JSONResponse:
         if request.stream:
             return _error(400, "The cpu backend does not stream: send `stream: false`.", "stream")
+        try:
+            messages = normalize_messages(request.messages)
+            check_tools(request.tools)
+        except ChatInvalid as exc:
+            return _error(400, exc.message, exc.code)
         name, _, step = request.model.partition("@")
         entry = backend.served.get(name)
-        if entry is None or (step and not step.isdigit()):
+        if entry is None or (step and not is_step(step)):
             return _error(404, f"The model `{request.model}` does not exist.", "model_not_found")
-        model, policy = entry
-        with policy.lock:  # waits while a training step runs, like ART's shared GPU
-            backend.sync(model, policy)
-            latest = policy.loaded_step
-            wanted = int(step) if step else latest
-            if wanted == latest:
-                return _complete(policy, request, f"{name}@{latest}")
-            checkpoint = backend.checkpoint(model, wanted)
-            if checkpoint is None:
-                return _error(
-                    404,
-                    f"The model `{request.model}` does not exist: no checkpoint of step "
-                    f"{wanted} (the latest is `{name}@{latest}`).",
-                    "model_not_found",
-                )
-            # A past step: its adapter for this request, then the latest again.
-            policy.load(checkpoint, wanted)
-            try:
-                return _complete(policy, request, f"{name}@{wanted}")
-            finally:
-                backend.sync(model, policy)
+        try:
+            ticket = backend.admission.admit(name, request.n * _max_tokens(request))
+        except Refused as exc:
+            return _saturated(str(exc), exc.retry_after)
+        abandoned = threading.Event()
+        work = asyncio.ensure_future(
+            asyncio.to_thread(_serve, backend, entry, request, messages, ticket, abandoned)
+        )
+        try:
+            # The caller may go away while its request waits or runs: then it stops.
+            while not (await asyncio.wait({work}, timeout=DISCONNECT_POLL_S))[0]:
+                if await http.is_disconnected():
+                    abandoned.set()
+                    break
+            return await work
+        except Abandoned:
+            ticket.abandon()
+            return _error(499, "The client closed the request.", "client_closed_request")
+        finally:
+            abandoned.set()  # also when this handler is cancelled (the server stops)
+            if work.done():
+                ticket.release()
+            else:  # its thread releases it once it notices
+                work.add_done_callback(lambda _: _settle(work, ticket))
+
+    @app.exception_handler(Exception)
+    async def _failed(_request: Any, exc: Exception) -> JSONResponse:
+        # Never a text/plain traceback: OpenAI clients parse the envelope.
+        return JSONResponse(
+            {
+                "error": {
+                    "message": f"The cpu backend failed: {type(exc).__name__}: {exc}"[:2000],
+                    "type": "server_error",
+                    "code": "internal_error",
+                }
+            },
+            status_code=500,
+        )
 
     return app
 
 
-def _complete(policy: Any, request: ChatRequest, served_name: str) -> dict[str, Any]:
-    max_tokens = request.max_completion_tokens or request.max_tokens or 64
+DISCONNECT_POLL_S = 0.2
+
+
+def _settle(work: asyncio.Future[Any], ticket: Ticket) -> None:
+    if not work.cancelled() and isinstance(work.exception(), Abandoned):
+        ticket.abandon()
+    ticket.release()
+
+
+def _max_tokens(request: ChatRequest) -> int:
+    return request.max_completion_tokens or request.max_tokens or DEFAULT_MAX_TOKENS
+
+
+def _saturated(message: str, retry_after: int) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"message": message, "type": "rate_limit_error", "code": "model_saturated"}},
+        status_code=429,
+        headers={"Retry-After": str(retry_after)},
+    )
+
+
+def _serve(
+    backend: CpuBackend,
+    entry: tuple[Any, Any],
+    request: ChatRequest,
+    messages: list[dict[str, Any]],
+    ticket: Ticket,
+    abandoned: threading.Event,
+) -> dict[str, Any] | JSONResponse:
+    """On a worker thread: wait for the model (a training step or another request holds
+    it), then answer; stops with `Abandoned` once `abandoned` is set."""
+    model, policy = entry
+    name, _, step = request.model.partition("@")
+    while not policy.lock.acquire(timeout=DISCONNECT_POLL_S):
+        if abandoned.is_set():
+            raise Abandoned("the request was abandoned while it waited")
+    try:
+        ticket.start()
+        backend.sync(model, policy)
+        latest = policy.loaded_step
+        wanted = int(step) if step else latest
+        if wanted == latest:
+            return _complete(policy, request, messages, f"{name}@{latest}", abandoned.is_set)
+        checkpoint = backend.checkpoint(model, wanted)
+        if checkpoint is None:
+            return _error(
+                404,
+                f"The model `{request.model}` does not exist: no checkpoint of step "
+                f"{wanted} (the latest is `{name}@{latest}`).",
+                "model_not_found",
+            )
+        # A past step: its adapter for this request, then the latest again.
+        policy.load(checkpoint, wanted)
+        try:
+            return _complete(policy, request, messages, f"{name}@{wanted}", abandoned.is_set)
+        finally:
+            backend.sync(model, policy)
+    finally:
+        policy.lock.release()
+
+
+def _complete(
+    policy: Any,
+    request: ChatRequest,
+    messages: list[dict[str, Any]],
+    served_name: str,
+    abandoned: Callable[[], bool],
+) -> dict[str, Any]:
+    max_tokens = _max_tokens(request)
     stops = [request.stop] if isinstance(request.stop, str) else (request.stop or [])
     stop_ids = {
         int(i)
@@ -136,7 +241,7 @@ def _complete(policy: Any, request: ChatRequest, served_name: str) -> dict[str, 
         for i in policy.tokenizer(s, add_special_tokens=False)["input_ids"][:1]
     }
     tools = request.tools if request.tool_choice != "none" else None
-    prompt = policy.encode_prompt(request.messages, request.tools)
+    prompt = policy.encode_prompt(messages, request.tools)
     samples = policy.sample(
         prompt,
         n=request.n,
@@ -146,6 +251,7 @@ def _complete(policy: Any, request: ChatRequest, served_name: str) -> dict[str, 
         top_logprobs=request.top_logprobs or 0,
         stop_ids=stop_ids,
         seed=request.seed,
+        abandoned=abandoned,
     )
     choices = []
     for index, sample in enumerate(samples):

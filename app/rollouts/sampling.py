@@ -59,7 +59,11 @@ def _too_large(status: int) -> SamplingError:
 class SamplingClient:
     """POSTs chat completions to `{base_url}/chat/completions` (`base_url` ends in `/v1`),
     at most `concurrency` at once, over at most `concurrency` kept-alive connections. Each
-    attempt has `timeout` seconds in all (connecting, sending, every byte of the answer)."""
+    attempt has `timeout` seconds in all (connecting, sending, every byte of the answer).
+    A 429 (the model is saturated: admission control) is waited out, after its
+    `Retry-After`, without spending an attempt: runs and rollouts wait their turn. A
+    cancelled caller (its job cancelled, its lease lost) closes the connection, and the
+    endpoint stops generating for it."""
 
     def __init__(
         self,
@@ -128,8 +132,10 @@ class SamplingClient:
         client = self._client()
         attempts = self.retries + 1
         last_error, last_status = "", None
-        for attempt in range(attempts):
+        attempt = 0
+        while attempt < attempts:
             retry_after: float | None = None
+            saturated = False
             async with self._slots:
                 try:
                     async with asyncio.timeout(self.timeout):
@@ -149,8 +155,14 @@ class SamplingClient:
                         raise SamplingError(message, transient=False, status=status)
                     last_error, last_status = message, status
                     retry_after = _retry_after(retry_header)
-            if attempt + 1 < attempts:
-                await asyncio.sleep(self._delay(attempt, retry_after))
+                    # A saturated endpoint (429): wait our turn; it costs no attempt.
+                    saturated = status == 429
+            if saturated:
+                await asyncio.sleep(self._delay(0, retry_after))
+                continue
+            attempt += 1
+            if attempt < attempts:
+                await asyncio.sleep(self._delay(attempt - 1, retry_after))
         raise SamplingError(
             f"chat completion failed after {attempts} attempts: {last_error}",
             transient=True,
