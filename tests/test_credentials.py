@@ -177,7 +177,10 @@ async def test_the_model_json_hands_out_the_gateway_not_the_backends_endpoint(
         listed = await live.client.get("/v1/models", headers=auth)
         model = got.json()
         gateway = f"{live.url}/openai/v1"
-        body = {"model": model["inference_model_name"], "messages": [{"role": "user"}]}
+        body = {
+            "model": model["inference_model_name"],
+            "messages": [{"role": "user", "content": "hi"}],
+        }
         async with httpx.AsyncClient(base_url=model["inference_base_url"]) as http:
             keyless = await http.post("/chat/completions", json=body)
             forwarded_keyless = len(seen)

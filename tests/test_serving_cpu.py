@@ -16,6 +16,7 @@ from app.backends.tiny_model import make_tiny_model
 from app.rollouts.sampling import SamplingClient
 from tests.conftest import LiveServer
 from tests.processes import until
+from tests.test_cpu_backend import _served_at
 
 pytestmark = pytest.mark.torch
 PROMPT = [{"role": "user", "content": "say yes"}]
@@ -39,9 +40,8 @@ async def _served(live: LiveServer, tiny_model: Path) -> str:
         timeout=120,
     )
     assert first.status_code == 200, first.text
-    url = (await live.client.get("/v1/models/toy")).json()["inference_base_url"]
-    assert url
-    return str(url)
+    # The backend's own endpoint, as the worker recorded it (the API hands out the gateway).
+    return await _served_at(live.app.state.settings.database_url, "toy")
 
 
 async def _metric(live: LiveServer, name: str, where: str, **labels: str) -> float:
