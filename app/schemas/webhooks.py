@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, HttpUrl, field_validator
 
-from app.schemas.common import NO_NUL
+from app.schemas.common import NO_NUL, PatchBody
 from app.schemas.graders import OutboundUrl
 
 MAX_URL_LENGTH = 2048
@@ -70,8 +70,8 @@ class WebhookEndpointCreate(BaseModel):
         return list(dict.fromkeys(value))
 
 
-class WebhookEndpointUpdate(BaseModel):
-    """What a PATCH may change; a field left out (or null) stays as it is."""
+class WebhookEndpointUpdate(PatchBody):
+    """What a PATCH may change; a field left out stays as it is (none may be null)."""
 
     model_config = ConfigDict(
         extra="forbid",
