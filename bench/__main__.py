@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from bench import api_start, cpu_step, fanout, ingest, queue, reads, runs
+from bench import api_start, cpu_step, fanout, ingest, queue, reads, runs, webhooks_fair
 
 
 def main() -> None:
@@ -16,6 +16,7 @@ def main() -> None:
     asyncio.run(cpu_step.run())
     asyncio.run(fanout.run())
     asyncio.run(runs.run())
+    asyncio.run(webhooks_fair.run())
 
 
 if __name__ == "__main__":
