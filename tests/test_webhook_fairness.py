@@ -274,6 +274,21 @@ async def test_endpoints_past_the_cap_are_refused(serve: Any) -> None:
             "answered_at": None,
         }
         assert shown["secret_version"] == 1
+        # An open breaker, as the senders leave it: in the JSON and in /metrics.
+        until = utcnow() + timedelta(minutes=5)
+        async with write_connection(live.app.state.engine) as conn:
+            await conn.execute(
+                endpoints.update()
+                .where(endpoints.c.id == shown["id"])
+                .values(consecutive_timeouts=5, breaker_open_until=until)
+            )
+        health = (await live.client.get(f"/v1/webhooks/{shown['id']}")).json()["health"]
+        assert health["breaker"] == "open" and health["consecutive_timeouts"] == 5
+        assert datetime.fromisoformat(health["breaker_open_until"]) == until
+        metrics = (await live.client.get("/metrics")).text
+        assert 'trainyard_webhook_endpoints{breaker="open"} 1.0' in metrics
+        assert 'trainyard_webhook_endpoints{breaker="closed"} 1.0' in metrics
+        assert "trainyard_webhook_in_flight 0.0" in metrics
 
 
 async def test_concurrent_registrations_never_pass_the_cap(serve: Any) -> None:
