@@ -372,3 +372,32 @@ async def test_neither_silent_endpoints_nor_a_full_host_hide_one_that_answers(
     assert sum(n for name, n in got.items() if name.startswith("silent")) == 2
     _, second = await claim(sender, T0, limit=16, unproven=0)
     assert {due.endpoint_id for due in second} == {healthy, lone}
+
+
+async def test_concurrent_claims_of_several_senders_keep_the_caps(
+    database_url: str, make_settings: Any
+) -> None:
+    """Senders of several workers (each its own engine) claiming at once: the caps are
+    counted across them (Postgres: claims go one at a time under an advisory lock)."""
+    settings = make_settings(**FAIR)
+    engines = [create_engine(database_url) for _ in range(3)]
+    senders = [WebhookSender(engine=e, settings=settings, wake=asyncio.Event()) for e in engines]
+    try:
+        busy = await add_endpoint(senders[0], "busy", answered=True, due=10)
+        shared = [
+            await add_endpoint(senders[0], f"t{i}", host="shared.example", answered=True, due=3)
+            for i in range(4)
+        ]
+        batches = await asyncio.gather(
+            *(claim(sender, T0, limit=8, unproven=8) for sender in senders for _ in range(3))
+        )
+        got = Counter(due.endpoint_id for _, batch in batches for due in batch)
+        assert got[busy] == 2
+        assert sum(got[name] for name in shared) == 4
+        ids = [due.id for _, batch in batches for due in batch]
+        assert len(ids) == len(set(ids))  # no delivery leased twice
+    finally:
+        for sender in senders:
+            await sender.close()
+        for engine in engines:
+            await engine.dispose()
