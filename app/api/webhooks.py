@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated, TypeVar
 
 from fastapi import APIRouter, Header, Query, Request, Response
+from pydantic import WithJsonSchema
 
 from app.api.body import Reading, json_body, read_json
 from app.api.deps import Cursor, JobId, Session
@@ -30,6 +31,9 @@ def _checked(body: Body, raw: bytes, settings: Settings) -> Body:
 
 CREATING = Reading(WebhookEndpointCreate, _checked)
 UPDATING = Reading(WebhookEndpointUpdate, _checked)
+
+IF_MATCH = r'^(W/)?"?[1-9][0-9]{0,9}"?$'
+"""`If-Match` of a rotation: a `secret_version`, bare or as an entity tag."""
 
 router = APIRouter(prefix="/v1/webhooks", tags=["webhooks"], responses=problem_responses(401))
 EndpointId = JobId
@@ -111,9 +115,11 @@ async def rotate_secret(
     session: Session,
     if_match: Annotated[
         str | None,
+        # A header is sent or not, never JSON null: no `null` branch in the schema.
+        WithJsonSchema({"type": "string", "maxLength": 24, "pattern": IF_MATCH}),
         Header(
             max_length=24,
-            pattern=r'^(W/)?"?[1-9][0-9]{0,9}"?$',
+            pattern=IF_MATCH,
             description="The `secret_version` being replaced: 409 if the secret is at "
             "another version.",
         ),
