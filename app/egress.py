@@ -297,6 +297,10 @@ class EgressRefused(EgressError):
     """The policy refused the destination."""
 
 
+class EgressTimeout(EgressError):
+    """No whole answer within the call's deadline (connecting included)."""
+
+
 @dataclass(frozen=True)
 class Reply:
     """A remote answer: its status and its body, decoded, at most the call's `max_bytes`."""
@@ -471,7 +475,7 @@ class EgressClient:
         except EgressError:
             raise
         except (TimeoutError, httpcore.TimeoutException):
-            raise EgressError(f"timed out after {timeout_s:g} s") from None
+            raise EgressTimeout(f"timed out after {timeout_s:g} s") from None
         except httpcore.ConnectError as exc:
             raise EgressError(f"request failed: ConnectError: {_connect_reason(exc)}") from None
         except (httpcore.ProtocolError, httpcore.NetworkError) as exc:

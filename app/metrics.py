@@ -15,7 +15,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from sqlalchemy import func, select
+from sqlalchemy import case, func, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from starlette.requests import Request
 from starlette.responses import Response
@@ -24,7 +24,7 @@ from app.backends.admission import Admission
 from app.db import utcnow
 from app.jobs import pools
 from app.jobs.lifecycle import JobStatus
-from app.models import JobRow, WebhookDeliveryRow
+from app.models import JobRow, WebhookDeliveryRow, WebhookEndpointRow
 
 DELIVERY_STATUSES = ("pending", "succeeded", "failed")
 
@@ -53,6 +53,18 @@ class Metrics:
             "trainyard_webhook_deliveries",
             "Webhook deliveries by status (pending: not yet delivered, retries left)",
             ["status"],
+            registry=self.registry,
+        )
+        self.webhook_breakers = Gauge(
+            "trainyard_webhook_endpoints",
+            "Webhook endpoints by circuit breaker state (open: held back, its last attempts "
+            "timed out; half_open: tried one delivery at a time)",
+            ["breaker"],
+            registry=self.registry,
+        )
+        self.webhook_in_flight = Gauge(
+            "trainyard_webhook_in_flight",
+            "Webhook deliveries being sent now (leased by a worker)",
             registry=self.registry,
         )
         self.queue_depth = Gauge(
@@ -187,6 +199,24 @@ class Metrics:
                 WebhookDeliveryRow.status
             )
             deliveries = {status: n for status, n in (await session.execute(by_status)).all()}
+            now = utcnow()
+            breaker = case(
+                (WebhookEndpointRow.breaker_open_until.is_(None), "closed"),
+                (WebhookEndpointRow.breaker_open_until > now, "open"),
+                else_="half_open",
+            )
+            by_breaker = select(breaker, func.count()).group_by(breaker)
+            breakers = {state: n for state, n in (await session.execute(by_breaker)).all()}
+            in_flight = await session.scalar(
+                select(func.count()).where(
+                    WebhookDeliveryRow.status == "pending",
+                    WebhookDeliveryRow.lease_token.is_not(None),
+                    WebhookDeliveryRow.next_attempt_at > now,
+                )
+            )
+        for state in ("closed", "open", "half_open"):
+            self.webhook_breakers.labels(state).set(breakers.get(state, 0))
+        self.webhook_in_flight.set(in_flight or 0)
         for delivery_status in DELIVERY_STATUSES:
             self.webhook_deliveries.labels(delivery_status).set(deliveries.get(delivery_status, 0))
         seen = {(kind, status): n for kind, status, n in counts}

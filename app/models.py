@@ -264,6 +264,17 @@ class WebhookEndpointRow(Base):
     previous_secret_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     event_types: Mapped[list[str]] = mapped_column(JSONType, default=list)
     enabled: Mapped[bool] = mapped_column(Boolean, default=True)
+    # Migration 0010. The URL's host: senders cap in-flight deliveries per host.
+    host: Mapped[str] = mapped_column(String(255), default="", server_default="")
+    # 1 at registration, one more at each rotation (the answer of a rotation says which).
+    secret_version: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
+    # When a sender last took one of its deliveries: the longest waiting is served first.
+    last_claimed_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    # Attempts in a row that timed out, and when it last answered.
+    consecutive_timeouts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    answered_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    # The circuit breaker: nothing is sent to it before this (None: closed).
+    breaker_open_until: Mapped[datetime | None] = mapped_column(UTCDateTime)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
 
@@ -297,6 +308,13 @@ class WebhookDeliveryRow(Base):
             postgresql_where=text("status = 'pending'"),
         ),
         Index("ix_webhook_deliveries_endpoint", "endpoint_id", "id"),
+        # The in-flight deliveries (leased) the senders' caps count (migration 0010).
+        Index(
+            "ix_webhook_deliveries_leased",
+            "endpoint_id",
+            sqlite_where=text("status = 'pending' AND lease_token IS NOT NULL"),
+            postgresql_where=text("status = 'pending' AND lease_token IS NOT NULL"),
+        ),
         # The senders' retention pass deletes ended deliveries by age (migration 0009).
         Index(
             "ix_webhook_deliveries_finished",

@@ -294,6 +294,46 @@ class Settings(BaseSettings):
     webhook_concurrency: int = Field(
         default=8, ge=1, le=256, description="Webhook deliveries one worker sends at once."
     )
+    webhook_max_in_flight_per_endpoint: int = Field(
+        default=2,
+        ge=1,
+        le=64,
+        description="Webhook deliveries of one endpoint in flight at once, across all "
+        "workers (one while its last attempt timed out).",
+    )
+    webhook_max_in_flight_per_host: int = Field(
+        default=4,
+        ge=1,
+        le=1024,
+        description="Webhook deliveries to one host (the URL's host name) in flight at "
+        "once, across all workers and endpoints.",
+    )
+    webhook_unproven_share: float = Field(
+        default=0.5,
+        gt=0,
+        le=1,
+        description="The share of a worker's webhook slots that endpoints not known to "
+        "answer (never answered yet, or whose last attempt timed out) may hold; the rest stay "
+        "free for endpoints that answer.",
+    )
+    webhook_breaker_threshold: int = Field(
+        default=5,
+        ge=1,
+        description="Webhook attempts in a row that timed out after which "
+        "an endpoint's circuit breaker opens: nothing is sent to it for "
+        "`TRAINYARD_WEBHOOK_BREAKER_SECONDS`, then one delivery at a time until it answers.",
+    )
+    webhook_breaker_seconds: float = Field(
+        default=300.0,
+        gt=0,
+        description="How long an endpoint's open circuit breaker holds its deliveries "
+        "(they wait; no retry is spent).",
+    )
+    webhook_max_endpoints: int = Field(
+        default=100,
+        ge=1,
+        description="Webhook endpoints this deployment may have; registering one more is a 409.",
+    )
     webhook_poll_seconds: float = Field(
         default=1.0,
         gt=0,

@@ -16,6 +16,7 @@ from bench import (
     runs,
     stalls,
     uploads,
+    webhooks_fair,
 )
 
 
@@ -32,6 +33,7 @@ def main() -> None:
     asyncio.run(runs.run())
     checkpoints.run()
     abandoned.run()
+    asyncio.run(webhooks_fair.run())
 
 
 if __name__ == "__main__":

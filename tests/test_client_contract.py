@@ -39,7 +39,7 @@ SCHEMAS = SPEC["components"]["schemas"]
 # Parameters the SDK takes under another name, per operation prefix: the models' routes
 # name the model `{name}`; its sub-resources call it `model`, as the job bodies do. A run's
 # routes name it `{run_id}` or `{job_id}`; what every kind of job shares takes `job_id`.
-RENAMED = {"Idempotency-Key": {"idempotency_key"}}
+RENAMED = {"Idempotency-Key": {"idempotency_key"}, "if-match": {"if_match"}}
 RENAMED_UNDER = {"checkpoints-": {"name": {"model"}}, "runs-": {"run_id": {"run_id", "job_id"}}}
 # Set by the client itself: the stream resumes with Last-Event-ID after a reconnection.
 INTERNAL = {"Last-Event-ID"}

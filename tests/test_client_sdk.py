@@ -260,6 +260,10 @@ def _every_operation(url: str, tiny: Path, workdir: Path) -> set[str]:
         rotated = client.webhooks.rotate_secret(hook.id)
         assert rotated.secret.startswith("whsec_") and rotated.secret != hook.secret
         assert rotated.previous_secret_expires_at is not None
+        assert rotated.secret_version == 2 and rotated.health.breaker == "closed"
+        with pytest.raises(ConflictError):  # rotated meanwhile: version 2, not 1
+            client.webhooks.rotate_secret(hook.id, if_match=1)
+        assert client.webhooks.rotate_secret(hook.id, if_match=2).secret_version == 3
         client.webhooks.delete(hook.id)
         client.datasets.delete(dataset.id)
         long = client.runs.create(

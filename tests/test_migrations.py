@@ -62,3 +62,41 @@ async def test_replicas_starting_together_do_not_race(empty_database_url: str) -
     finally:
         for engine in engines:
             await engine.dispose()
+
+
+async def test_0010_fills_each_endpoints_host_from_its_url(empty_database_url: str) -> None:
+    """Endpoints registered before fair delivery get the host their in-flight cap counts
+    by, and start with a closed breaker and secret version 1."""
+    from sqlalchemy import text
+
+    engine = create_engine(empty_database_url)
+    try:
+        await migrate(engine, "0009")
+        async with engine.begin() as conn:
+            await conn.execute(
+                text(
+                    "INSERT INTO webhook_endpoints (id, url, description, secret, event_types,"
+                    " enabled, created_at, updated_at) VALUES (:id, :url, '', 's', '[]', true,"
+                    " CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"
+                ),
+                [
+                    {"id": "wh_a", "url": "https://Hooks.Example.com:8443/a"},
+                    {"id": "wh_b", "url": "http://10.0.0.7/b"},
+                ],
+            )
+        await migrate(engine)
+        async with engine.connect() as conn:
+            rows = (
+                await conn.execute(
+                    text(
+                        "SELECT id, host, secret_version, consecutive_timeouts,"
+                        " breaker_open_until FROM webhook_endpoints ORDER BY id"
+                    )
+                )
+            ).all()
+        assert [tuple(row) for row in rows] == [
+            ("wh_a", "hooks.example.com", 1, 0, None),
+            ("wh_b", "10.0.0.7", 1, 0, None),
+        ]
+    finally:
+        await engine.dispose()

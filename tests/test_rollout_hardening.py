@@ -346,6 +346,20 @@ async def test_credentials_in_a_url_are_refused(serve: Any, tmp_path: Path) -> N
         assert "send them in `headers`" in response.text and SECRET not in response.text
 
 
+async def test_port_0_in_an_outbound_url_is_refused(serve: Any, tmp_path: Path) -> None:
+    """Every outbound URL a request names (agents, webhook graders; webhook endpoints in
+    test_webhooks) refuses port 0: nothing listens there."""
+    async with service(serve, tmp_path) as (live, _):
+        agent = await submit(live, agent={"url": "http://agent.example:0/episode"})
+        hook = await submit(live, grader={"type": "webhook", "url": "http://x.example:0/"})
+    for response, path in ((agent, "agent.url"), (hook, "grader.webhook.url")):
+        assert response.status_code == 422, response.text
+        errors = response.json()["errors"]
+        assert any(
+            e["path"].startswith(path.split(".")[0]) and "port 0" in e["message"] for e in errors
+        ), errors
+
+
 @pytest.mark.parametrize("kind", ["agent", "webhook"])
 async def test_a_name_resolving_to_a_denied_address_is_refused_at_call_time(
     serve: Any, tmp_path: Path, kind: str

@@ -100,6 +100,8 @@ async def test_bad_registrations_are_refused_with_their_paths(live: LiveServer) 
         ({**ok, "url": "ftp://hooks.example.com/x"}, "url"),
         ({**ok, "url": "http://user:pw@hooks.example.com/x"}, "url"),
         ({**ok, "url": "http://169.254.169.254/latest"}, "url"),
+        ({**ok, "url": "http://hooks.example.com:0/x"}, "url"),
+        ({**ok, "url": "https://hooks.example.com:000/x"}, "url"),
         ({**ok, "event_types": ["job.exploded"]}, "event_types[0]"),
         ({**ok, "event_types": []}, "event_types"),
         ({"url": ok["url"]}, "event_types"),
@@ -455,7 +457,12 @@ async def test_patch_changes_url_and_event_types_and_refuses_what_registration_d
         ({"url": "ftp://hooks.example.com/x"}, "url"),
         ({"url": "http://user:pw@hooks.example.com/x"}, "url"),
         ({"url": "http://169.254.169.254/latest"}, "url"),
+        ({"url": "http://hooks.example.com:0/x"}, "url"),
         ({"url": "https://hooks.example.com/" + "x" * 2048}, "url"),
+        ({"url": None}, "url"),
+        ({"enabled": None}, "enabled"),
+        ({"enabled": False, "event_types": None}, "event_types"),
+        ({"description": None}, "description"),
         ({"event_types": ["job.succeeded", "job.exploded"]}, "event_types[1]"),
         ({"event_types": []}, "event_types"),
         ({"event_types": "job.failed"}, "event_types"),
@@ -491,6 +498,39 @@ async def test_patch_changes_url_and_event_types_and_refuses_what_registration_d
         assert [row.event_type for row in rows] == ["run.failed"]  # the outbox's join
     missing = await live.client.patch("/v1/webhooks/wh_nope", json={"enabled": False})
     assert missing.status_code == 404
+
+
+async def test_no_patch_route_takes_null_for_a_field_that_cannot_be_null(
+    live: LiveServer,
+) -> None:
+    """The class, not one route: every PATCH route in the API, every field of its body,
+    sent as null, is a 422 naming that field and changes nothing. A new PATCH route fails
+    here until it is listed (with a resource to change)."""
+    from app.schemas.common import PatchBody
+
+    created = await register(live.client, "https://hooks.example.com/a", JOB_EVENTS)
+    resources = {"/v1/webhooks/{endpoint_id}": f"/v1/webhooks/{created['id']}"}
+    schema = (await live.client.get("/openapi.json")).json()
+    patches = {path: ops["patch"] for path, ops in schema["paths"].items() if "patch" in ops}
+    assert set(patches) == set(resources), "a PATCH route without a case here"
+    for template, operation in patches.items():
+        ref = operation["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        name = ref.rsplit("/", 1)[1]
+        fields = schema["components"]["schemas"][name]["properties"]
+        assert fields, name
+        path = resources[template]
+        before = (await live.client.get(path)).json()
+        for field_name in fields:
+            response = await live.client.patch(path, json={field_name: None})
+            assert response.status_code == 422, (template, field_name, response.text)
+            assert response.headers["content-type"] == "application/problem+json"
+            errors = response.json()["errors"]
+            assert [error["path"] for error in errors] == [field_name], errors
+            assert "may not be null" in errors[0]["message"]
+        assert (await live.client.get(path)).json() == before
+    from app.schemas.webhooks import WebhookEndpointUpdate
+
+    assert issubclass(WebhookEndpointUpdate, PatchBody)
 
 
 async def test_pending_deliveries_go_to_the_new_url(serve) -> None:

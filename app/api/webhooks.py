@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Annotated, TypeVar
 
-from fastapi import APIRouter, Query, Request, Response
+from fastapi import APIRouter, Header, Query, Request, Response
+from pydantic import WithJsonSchema
 
 from app.api.body import Reading, json_body, read_json
 from app.api.deps import Cursor, JobId, Session
@@ -31,6 +32,9 @@ def _checked(body: Body, raw: bytes, settings: Settings) -> Body:
 CREATING = Reading(WebhookEndpointCreate, _checked)
 UPDATING = Reading(WebhookEndpointUpdate, _checked)
 
+IF_MATCH = r'^(W/)?"?[1-9][0-9]{0,9}"?$'
+"""`If-Match` of a rotation: a `secret_version`, bare or as an entity tag."""
+
 router = APIRouter(prefix="/v1/webhooks", tags=["webhooks"], responses=problem_responses(401))
 EndpointId = JobId
 
@@ -39,12 +43,18 @@ EndpointId = JobId
     "",
     response_model=WebhookEndpointCreated,
     status_code=201,
-    summary="Register a webhook endpoint (its secret is in this answer only)",
-    responses=problem_responses(413, 422),
+    summary="Register a webhook endpoint (its secret is in this answer only); 409 past "
+    "`TRAINYARD_WEBHOOK_MAX_ENDPOINTS`",
+    responses=problem_responses(409, 413, 422),
     openapi_extra=json_body(WebhookEndpointCreate),
 )
 async def create(request: Request, session: Session, response: Response) -> WebhookEndpointCreated:
-    endpoint = await service.create_endpoint(session, body=await read_json(request, CREATING))
+    settings: Settings = request.app.state.settings
+    endpoint = await service.create_endpoint(
+        session,
+        body=await read_json(request, CREATING),
+        max_endpoints=settings.webhook_max_endpoints,
+    )
     await session.commit()
     response.headers["Location"] = f"/v1/webhooks/{endpoint.id}"
     return endpoint
@@ -93,16 +103,35 @@ async def update(endpoint_id: EndpointId, request: Request, session: Session) ->
     "/{endpoint_id}/rotate-secret",
     name="rotate_secret",
     response_model=WebhookEndpointCreated,
-    summary="Give the endpoint a new secret (in this answer only); the previous one keeps "
-    "signing deliveries too for `TRAINYARD_WEBHOOK_SECRET_GRACE_SECONDS`",
-    responses=problem_responses(404),
+    summary="Give the endpoint a new secret (in this answer only, with its "
+    "`secret_version`); the previous one keeps signing deliveries too for "
+    "`TRAINYARD_WEBHOOK_SECRET_GRACE_SECONDS`. Concurrent rotations are serialised; with "
+    "`If-Match: <secret_version>` a rotation of a secret rotated meanwhile is a 409",
+    responses=problem_responses(404, 409, 422),
 )
 async def rotate_secret(
-    endpoint_id: EndpointId, request: Request, session: Session
+    endpoint_id: EndpointId,
+    request: Request,
+    session: Session,
+    if_match: Annotated[
+        str | None,
+        # A header is sent or not, never JSON null: no `null` branch in the schema.
+        WithJsonSchema({"type": "string", "maxLength": 24, "pattern": IF_MATCH}),
+        Header(
+            max_length=24,
+            pattern=IF_MATCH,
+            description="The `secret_version` being replaced: 409 if the secret is at "
+            "another version.",
+        ),
+    ] = None,
 ) -> WebhookEndpointCreated:
     settings: Settings = request.app.state.settings
+    expected = None if if_match is None else int(if_match.removeprefix("W/").strip('"'))
     endpoint = await service.rotate_secret(
-        session, endpoint_id, grace_seconds=settings.webhook_secret_grace_seconds
+        session,
+        endpoint_id,
+        grace_seconds=settings.webhook_secret_grace_seconds,
+        expected_version=expected,
     )
     await session.commit()
     return endpoint

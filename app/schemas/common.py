@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Annotated, Any, Generic, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Generic, Literal, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 T = TypeVar("T")
 
@@ -68,6 +68,22 @@ def small_json(value: T) -> T:
 
 JsonObject = Annotated[dict[str, Any], AfterValidator(small_json)]
 """A free-form JSON object, checked by `small_json`."""
+
+
+class PatchBody(BaseModel):
+    """The body of a PATCH: a field left out stays as it is. A field whose stored value
+    cannot be null may not be sent as null either (a 422 naming it), rather than be read
+    as "left out": `{"enabled": null}` is a mistake, not a request to change nothing.
+    A PATCH body whose field may really be cleared names it in `NULLABLE`."""
+
+    NULLABLE: ClassVar[frozenset[str]] = frozenset()
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _not_null(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is None and info.field_name not in cls.NULLABLE:
+            raise ValueError("may not be null; leave the field out to keep its value")
+        return value
 
 
 class FieldError(BaseModel):

@@ -139,9 +139,12 @@ class JsonFieldGrader(_Grader):
 
 
 def no_credentials(url: HttpUrl) -> HttpUrl:
-    """Refuses a URL with user info: credentials go in `headers`, which no route shows."""
+    """Refuses a URL with user info (credentials go in `headers`, which no route shows),
+    and one naming port 0 (nothing listens there; a send could only fail)."""
     if url.username is not None or url.password is not None:
         raise ValueError("the URL must not hold credentials; send them in `headers`")
+    if url.port == 0:
+        raise ValueError("port 0 is no port a request can be sent to")
     return url
 
 
@@ -150,8 +153,8 @@ def _sendable(headers: dict[str, str]) -> dict[str, str]:
     return headers
 
 
-# What every outbound call a job names takes (webhook graders, agents): a URL without
-# credentials, and headers a call can send.
+# What every outbound call a job names takes (webhook graders, agents, webhook endpoints):
+# a URL without credentials or port 0, and headers a call can send.
 OutboundUrl = Annotated[HttpUrl, AfterValidator(no_credentials)]
 OutboundHeaders = Annotated[dict[str, str], AfterValidator(_sendable)]
 

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, HttpUrl, field_validator
 
-from app.schemas.common import NO_NUL
+from app.schemas.common import NO_NUL, PatchBody
 from app.schemas.graders import OutboundUrl
 
 MAX_URL_LENGTH = 2048
@@ -70,8 +70,8 @@ class WebhookEndpointCreate(BaseModel):
         return list(dict.fromkeys(value))
 
 
-class WebhookEndpointUpdate(BaseModel):
-    """What a PATCH may change; a field left out (or null) stays as it is."""
+class WebhookEndpointUpdate(PatchBody):
+    """What a PATCH may change; a field left out stays as it is (none may be null)."""
 
     model_config = ConfigDict(
         extra="forbid",
@@ -112,6 +112,26 @@ class WebhookEndpointUpdate(BaseModel):
         return None if value is None else list(dict.fromkeys(value))
 
 
+class WebhookEndpointHealth(BaseModel):
+    """Whether the endpoint answers, as the senders see it: its circuit breaker."""
+
+    breaker: Literal["closed", "open", "half_open"] = Field(
+        description="`open`: its last attempts all timed out, and "
+        "nothing is sent to it until `breaker_open_until`; `half_open`: that time passed, "
+        "and it is tried one delivery at a time until it answers; `closed`: it answers (or "
+        "has not failed often enough to be held back)."
+    )
+    consecutive_timeouts: int = Field(
+        description="Attempts in a row that timed out (0 once it answers)."
+    )
+    breaker_open_until: datetime | None = Field(
+        description="While the breaker is open: when it is tried again."
+    )
+    answered_at: datetime | None = Field(
+        description="When it last answered an attempt (any status); null: never."
+    )
+
+
 class WebhookEndpoint(BaseModel):
     """A registered endpoint. Its secret is shown once, when it is created."""
 
@@ -120,6 +140,11 @@ class WebhookEndpoint(BaseModel):
     description: str
     event_types: list[EventTypeName]
     enabled: bool
+    secret_version: int = Field(
+        description="1 at registration, one more at each rotation: the answer of a "
+        "rotation carries the version of the secret it holds (the highest is current)."
+    )
+    health: WebhookEndpointHealth
     previous_secret_expires_at: datetime | None = Field(
         description="After a secret rotation: until when deliveries are signed with the "
         "previous secret too; null when only the current one signs them."

@@ -6,14 +6,15 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Sequence
-from datetime import timedelta
+from datetime import datetime, timedelta
+from urllib.parse import urlsplit
 
-from sqlalchemy import delete, insert, select
+from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.db import begin_write, utcnow
 from app.egress import EgressPolicy
-from app.errors import InvalidInputError, NotFoundError
+from app.errors import ConflictError, InvalidInputError, NotFoundError
 from app.jobs.outbox import PENDING, TEST_EVENT, subscriptions
 from app.models import WebhookAttemptRow, WebhookDeliveryRow, WebhookEndpointRow
 from app.schemas.common import FieldError
@@ -23,6 +24,7 @@ from app.schemas.webhooks import (
     WebhookEndpoint,
     WebhookEndpointCreate,
     WebhookEndpointCreated,
+    WebhookEndpointHealth,
     WebhookEndpointUpdate,
 )
 from app.webhooks.sender import new_secret
@@ -50,22 +52,66 @@ def check_destination(
         raise InvalidInputError("1 invalid field(s) in the request", errors=[error])
 
 
+def host_of(url: str) -> str:
+    """The host name the senders cap in-flight deliveries by."""
+    return (urlsplit(url).hostname or "").lower()[:255]
+
+
+def health_of(row: WebhookEndpointRow, now: datetime) -> WebhookEndpointHealth:
+    until = row.breaker_open_until
+    breaker = "closed" if until is None else "open" if until > now else "half_open"
+    return WebhookEndpointHealth(
+        breaker=breaker,
+        consecutive_timeouts=row.consecutive_timeouts,
+        breaker_open_until=until if breaker == "open" else None,
+        answered_at=row.answered_at,
+    )
+
+
 def to_wire(row: WebhookEndpointRow) -> WebhookEndpoint:
-    wire = WebhookEndpoint.model_validate(row, from_attributes=True)
-    expires = wire.previous_secret_expires_at
-    if expires is not None and expires <= utcnow():  # the previous secret signs no more
-        wire.previous_secret_expires_at = None
-    return wire
+    now = utcnow()
+    expires = row.previous_secret_expires_at
+    if expires is not None and expires <= now:  # the previous secret signs no more
+        expires = None
+    return WebhookEndpoint(
+        id=row.id,
+        url=row.url,
+        description=row.description,
+        event_types=row.event_types,
+        enabled=row.enabled,
+        secret_version=row.secret_version,
+        health=health_of(row, now),
+        previous_secret_expires_at=expires,
+        created_at=row.created_at,
+        updated_at=row.updated_at,
+    )
+
+
+ENDPOINTS_LOCK = 0x7472_7765  # "trwe": Postgres registrations count the endpoints in turn
 
 
 async def create_endpoint(
-    session: AsyncSession, *, body: WebhookEndpointCreate
+    session: AsyncSession, *, body: WebhookEndpointCreate, max_endpoints: int
 ) -> WebhookEndpointCreated:
+    """409 once the deployment has `max_endpoints` (registrations are counted one at a
+    time: SQLite's write lock, a Postgres advisory lock)."""
     await begin_write(session)
+    if session.get_bind().dialect.name == "postgresql":
+        await session.execute(select(func.pg_advisory_xact_lock(ENDPOINTS_LOCK)))
+    count = await session.scalar(select(func.count()).select_from(WebhookEndpointRow))
+    if (count or 0) >= max_endpoints:
+        raise ConflictError(
+            f"this deployment has {count} webhook endpoints, its limit "
+            f"(TRAINYARD_WEBHOOK_MAX_ENDPOINTS={max_endpoints}); remove one first",
+            limit=max_endpoints,
+        )
     now = utcnow()
     row = WebhookEndpointRow(
         id=new_endpoint_id(),
         url=str(body.url),
+        host=host_of(str(body.url)),
+        secret_version=1,
+        consecutive_timeouts=0,
         description=body.description,
         secret=new_secret(),
         event_types=list(body.event_types),
@@ -112,6 +158,7 @@ async def update_endpoint(
     changes = body.model_dump(exclude_none=True)
     if body.url is not None:
         row.url = str(body.url)
+        row.host = host_of(row.url)
     if body.event_types is not None:
         row.event_types = list(body.event_types)
         await session.execute(
@@ -132,24 +179,51 @@ async def update_endpoint(
 
 
 async def rotate_secret(
-    session: AsyncSession, endpoint_id: str, *, grace_seconds: float
+    session: AsyncSession,
+    endpoint_id: str,
+    *,
+    grace_seconds: float,
+    expected_version: int | None = None,
 ) -> WebhookEndpointCreated:
-    """A new secret, returned this once; the current one becomes the previous one and
-    signs deliveries too for `grace_seconds` (none: it stops at once). Rotating again
-    within the grace period drops the older previous secret."""
+    """A new secret, returned this once with its `secret_version`; the current one
+    becomes the previous one and signs deliveries too for `grace_seconds` (none: it stops
+    at once). Rotating again within the grace period drops the older previous secret.
+
+    One statement reads and writes the row (Postgres: under its row lock), so concurrent
+    rotations are serialised: each gets its own version, the highest is current, and each
+    one's previous secret is the one it replaced. With `expected_version` (If-Match) a
+    rotation of a secret that is no longer that version is a 409, changing nothing."""
     await begin_write(session)
-    row = await get_endpoint(session, endpoint_id)
     now = utcnow()
-    if grace_seconds > 0:
-        row.previous_secret = row.secret
-        row.previous_secret_expires_at = now + timedelta(seconds=grace_seconds)
-    else:
-        row.previous_secret = None
-        row.previous_secret_expires_at = None
-    row.secret = new_secret()
-    row.updated_at = now
-    await session.flush()
-    return WebhookEndpointCreated(**to_wire(row).model_dump(), secret=row.secret)
+    keep = grace_seconds > 0
+    table = WebhookEndpointRow.__table__
+    secret = new_secret()
+    rotate = (
+        update(WebhookEndpointRow)
+        .where(WebhookEndpointRow.id == endpoint_id)
+        .values(
+            previous_secret=table.c.secret if keep else None,
+            previous_secret_expires_at=now + timedelta(seconds=grace_seconds) if keep else None,
+            secret=secret,
+            secret_version=table.c.secret_version + 1,
+            updated_at=now,
+        )
+        .returning(WebhookEndpointRow.secret_version)
+        .execution_options(synchronize_session=False)
+    )
+    if expected_version is not None:
+        rotate = rotate.where(WebhookEndpointRow.secret_version == expected_version)
+    version = (await session.execute(rotate)).scalar_one_or_none()
+    row = await session.get(WebhookEndpointRow, endpoint_id, populate_existing=True)
+    if row is None:
+        raise NotFoundError(f"no webhook endpoint {endpoint_id!r}")
+    if version is None:
+        raise ConflictError(
+            f"the endpoint's secret is at version {row.secret_version}, not "
+            f"{expected_version} (If-Match): it was rotated meanwhile",
+            secret_version=row.secret_version,
+        )
+    return WebhookEndpointCreated(**to_wire(row).model_dump(), secret=secret)
 
 
 async def delete_endpoint(session: AsyncSession, endpoint_id: str) -> None:

@@ -1,7 +1,7 @@
 """worker pools: what a model needs of a worker, and what each worker can run
 
 Revision ID: 0011
-Revises: 0009
+Revises: 0010
 Create Date: 2026-12-08
 
 `models.pool` (NULL: the `default` pool) and `models.labels` (labels a worker must have to
@@ -19,7 +19,7 @@ from alembic import op
 import app.db
 
 revision: str = "0011"
-down_revision: str | None = "0009"
+down_revision: str | None = "0010"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

@@ -676,10 +676,13 @@ class Webhooks(_Resource):
         return await self._send(calls.webhooks_update(endpoint_id, body))
 
     @operation("webhooks-rotate_secret")
-    async def rotate_secret(self, endpoint_id: str) -> m.WebhookEndpointCreated:
-        """A new secret, in this answer only; the previous one keeps signing deliveries
-        too until `previous_secret_expires_at` (the server's grace period)."""
-        return await self._send(calls.webhooks_rotate_secret(endpoint_id))
+    async def rotate_secret(
+        self, endpoint_id: str, *, if_match: int | None = None
+    ) -> m.WebhookEndpointCreated:
+        """A new secret, in this answer only, with its `secret_version`; the previous one
+        keeps signing deliveries too until `previous_secret_expires_at` (the server's grace
+        period). With `if_match` (a `secret_version`), a 409 if it was rotated meanwhile."""
+        return await self._send(calls.webhooks_rotate_secret(endpoint_id, if_match=if_match))
 
     @operation("webhooks-delete")
     async def delete(self, endpoint_id: str) -> None:

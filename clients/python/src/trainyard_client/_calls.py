@@ -567,10 +567,13 @@ def webhooks_test(endpoint_id: str) -> Call[m.WebhookDelivery]:
     return _replace(call, resend=False)
 
 
-def webhooks_rotate_secret(endpoint_id: str) -> Call[m.WebhookEndpointCreated]:
+def webhooks_rotate_secret(
+    endpoint_id: str, *, if_match: int | None = None
+) -> Call[m.WebhookEndpointCreated]:
     # A second rotation would lose the secret the first answer carried: never resent.
     call = _call("webhooks-rotate_secret", _json(m.WebhookEndpointCreated), endpoint_id=endpoint_id)
-    return _replace(call, resend=False)
+    headers = {} if if_match is None else {"If-Match": f'"{if_match}"'}
+    return _replace(call, resend=False, headers=headers)
 
 
 # --------------------------------------------------------------------------- workers

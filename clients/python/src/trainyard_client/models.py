@@ -312,12 +312,21 @@ class Dataset(_Wire):
     created_at: datetime
 
 
+class WebhookEndpointHealth(_Wire):
+    breaker: str
+    consecutive_timeouts: int
+    breaker_open_until: datetime | None
+    answered_at: datetime | None
+
+
 class WebhookEndpoint(_Wire):
     id: str
     url: str
     description: str
     event_types: list[str]
     enabled: bool
+    secret_version: int
+    health: WebhookEndpointHealth
     previous_secret_expires_at: datetime | None
     created_at: datetime
     updated_at: datetime
