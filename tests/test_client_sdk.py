@@ -284,6 +284,12 @@ def _every_operation(url: str, tiny: Path, workdir: Path) -> set[str]:
         )
         assert sampled["model"].startswith("toy@") and len(sampled["choices"]) == 1
         assert client.openai_base_url == f"{url}/openai/v1"
+
+        # Last: the in-process worker, listed, then drained (it stops claiming).
+        [worker] = client.workers.list()
+        assert worker.pool == "default" and "cpu" in worker.backends and not worker.draining
+        drained = client.workers.drain(worker.id)
+        assert drained.id == worker.id and drained.drain_requested_at is not None
     return called
 
 

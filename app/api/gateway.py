@@ -14,7 +14,14 @@ from starlette.background import BackgroundTask
 
 from app.api.body import parse_json
 from app.backends import SPECS
-from app.backends.openai_chat import ChatInvalid, check_chat
+from app.backends.openai_chat import (
+    MAX_PARTS,
+    MAX_TOOLS,
+    ROLES,
+    TEXT_PARTS,
+    ChatInvalid,
+    check_chat,
+)
 from app.errors import format_path
 from app.gateway import PREFIX, Gateway, GatewayError, parse_model, served_names
 from app.ingest import jsontext
@@ -61,6 +68,63 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         (503, "The serving endpoint is not reachable right now (Retry-After)."),
     ]
 }
+# A chat message as the gateway reads it (`app.backends.openai_chat`): what it refuses, the
+# document does not offer. Content is text (a string, or text parts); only an assistant's may
+# be null, and only an assistant's carries `tool_calls`.
+_TEXT_PART = {  # `{"type": "text", "text": ...}`, `{"type": "refusal", "refusal": ...}`
+    "oneOf": [
+        {
+            "type": "object",
+            "properties": {"type": {"const": kind}, kind: {"type": "string"}},
+            "required": ["type", kind],
+        }
+        for kind in sorted(TEXT_PARTS)
+    ]
+}
+_CONTENT = {
+    "anyOf": [
+        {"type": "string"},
+        {"type": "array", "maxItems": MAX_PARTS, "items": _TEXT_PART},
+    ]
+}
+_TOOL_CALL = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "string"},
+        "type": {"const": "function"},
+        "function": {
+            "type": "object",
+            "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}},
+            "required": ["name", "arguments"],
+        },
+    },
+    "required": ["id", "function"],
+}
+_NAMES = {"name": {"type": "string"}, "tool_call_id": {"type": "string"}}
+_MESSAGE = {
+    "oneOf": [
+        {
+            "type": "object",
+            "properties": {
+                "role": {"enum": sorted(ROLES - {"assistant"})},
+                "content": _CONTENT,
+                "tool_calls": {"type": "null"},  # only an assistant calls tools
+                **_NAMES,
+            },
+            "required": ["role", "content"],
+        },
+        {
+            "type": "object",
+            "properties": {
+                "role": {"const": "assistant"},
+                "content": {"anyOf": [*_CONTENT["anyOf"], {"type": "null"}]},
+                "tool_calls": {"type": "array", "maxItems": MAX_TOOLS, "items": _TOOL_CALL},
+                **_NAMES,
+            },
+            "required": ["role"],
+        },
+    ]
+}
 _CHAT_BODY = {
     "requestBody": {
         "required": True,
@@ -76,7 +140,7 @@ _CHAT_BODY = {
                             "`name@N` (a past step, while its checkpoint exists) or "
                             "`name@alias` (`best`, or an alias set on the model).",
                         },
-                        "messages": {"type": "array", "minItems": 1, "items": {"type": "object"}},
+                        "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
                         "stream": {"type": "boolean"},
                     },
                     "required": ["model", "messages"],
