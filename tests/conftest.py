@@ -230,7 +230,9 @@ def make_settings(database_url: str, tmp_path: Path) -> Callable[..., Settings]:
             "migrate_on_start": False,  # database_url is already at head
             "worker_enabled": False,
             "heartbeat_seconds": 0.2,
-            "lease_seconds": 2.0,
+            # Long enough that no job's lease lapses because the machine is busy (a test
+            # may not fail for that); a test of recovery sets a short one and waits for it.
+            "lease_seconds": 30.0,
             "poll_seconds": 0.2,
             "retry_base_seconds": 0.05,
         }
