@@ -202,3 +202,11 @@ def test_no_status_write_or_event_append_outside_the_job_core(path: Path) -> Non
         and not line.lstrip().startswith(("#", '"', "`"))
     ]
     assert found == []
+
+
+@pytest.mark.parametrize("name", ["store.py", "statements.py", "events.py", "runs.py"])
+def test_the_shared_store_code_takes_no_dialect_flag(name: str) -> None:
+    """What differs per dialect is a strategy (`LeaseClock`, `fits_on_*`, a dialect's
+    store class), never a `postgres` flag that shared code branches on."""
+    text = (APP / "jobs" / name).read_text(encoding="utf-8")
+    assert re.findall(r"\bpostgres\s*[:=]|if [\w.]*postgres\b", text) == []

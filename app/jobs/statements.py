@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import functools
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, cast
 
@@ -132,40 +133,45 @@ def model_update(keys: tuple[str, ...]) -> Update:
     )
 
 
-def fits_worker(postgres: bool) -> list[ColumnElement[bool]]:
-    """The job's model is one the claiming worker can run: in its pool (`w_pool`; a model
-    without one is in `default`), on one of its backends (`w_backends`), asking only for
-    labels it has (`w_labels`: on Postgres a JSON object the model's labels must be
-    contained in; on SQLite the worker's `key=value` texts, each of the model's must be one
-    of them)."""
-    pool = func.coalesce(models.c.pool, literal(DEFAULT_POOL, String)) == bindparam(
+def _in_pool() -> ColumnElement[bool]:
+    return func.coalesce(models.c.pool, literal(DEFAULT_POOL, String)) == bindparam(
         "w_pool", type_=String
     )
-    backend: ColumnElement[bool]
-    labels: ColumnElement[bool]
-    if postgres:
-        backend = models.c.backend == any_(bindparam("w_backends", type_=ARRAY(String)))
-        labels = models.c.labels.op("<@")(bindparam("w_labels", type_=JSONB))
-    else:
-        backend = models.c.backend.in_(bindparam("w_backends", expanding=True))
-        label = func.json_each(models.c.labels).table_valued(
-            column("key", String), column("value", String)
+
+
+def fits_on_postgres() -> list[ColumnElement[bool]]:
+    """The job's model is one the claiming worker can run: in its pool (`w_pool`; a model
+    without one is in `default`), on one of its backends (`w_backends`, an array), asking
+    only for labels it has (`w_labels`: a JSON object the model's labels are contained in)."""
+    backend = models.c.backend == any_(bindparam("w_backends", type_=ARRAY(String)))
+    labels = models.c.labels.op("<@")(bindparam("w_labels", type_=JSONB))
+    return [_in_pool(), backend, or_(models.c.labels.is_(None), labels)]
+
+
+def fits_on_sqlite() -> list[ColumnElement[bool]]:
+    """`fits_on_postgres` in SQLite's terms: `w_backends` and `w_labels` (the worker's
+    `key=value` texts; each of the model's labels must be one of them) are expanded lists."""
+    backend = models.c.backend.in_(bindparam("w_backends", expanding=True))
+    label = func.json_each(models.c.labels).table_valued(
+        column("key", String), column("value", String)
+    )
+    unmet = select(literal(1)).select_from(label)
+    unmet = unmet.where(
+        (label.c.key + literal("=", String) + label.c.value).not_in(
+            bindparam("w_labels", expanding=True)
         )
-        unmet = select(literal(1)).select_from(label)
-        unmet = unmet.where(
-            (label.c.key + literal("=", String) + label.c.value).not_in(
-                bindparam("w_labels", expanding=True)
-            )
-        )
-        labels = ~exists(unmet)
-    return [pool, backend, or_(models.c.labels.is_(None), labels)]
+    )
+    return [_in_pool(), backend, or_(models.c.labels.is_(None), ~exists(unmet))]
+
+
+Fits = Callable[[], list[ColumnElement[bool]]]
 
 
 @functools.cache
-def claim_query(lock_models: bool = False, fitted: bool = False) -> Select[Any]:
+def claim_query(lock_models: bool = False, fits: Fits | None = None) -> Select[Any]:
     """A page of the oldest eligible queued jobs (due, their model not busy) with their
-    models, oldest first. `fitted`: only jobs the claiming worker can run (`fits_worker`;
-    `lock_models` is Postgres)."""
+    models, oldest first. `fits`: the dialect's filter to jobs the claiming worker can run
+    (`fits_on_sqlite`, `fits_on_postgres`); `lock_models`: lock their models' rows too."""
     query = (
         select(
             jobs.c.id,
@@ -189,8 +195,8 @@ def claim_query(lock_models: bool = False, fitted: bool = False) -> Select[Any]:
         .order_by(jobs.c.id)
         .limit(bindparam("page"))
     )
-    if fitted:
-        query = query.where(*fits_worker(postgres=lock_models))
+    if fits is not None:
+        query = query.where(*fits())
     if lock_models:
         # Postgres: locking the model row too makes a concurrent claimer skip every job of a model
         # that is being claimed right now, instead of colliding on the unique index.
@@ -337,7 +343,8 @@ def claim_statement(fitted: bool = False) -> Select[Any]:
     `wanted`, each with its own lease token (md5 of a per-statement secret and the id),
     and each gets its `job_claimed` event. `candidates` tells whether the page was full.
     """
-    candidate = claim_query(lock_models=True, fitted=fitted).cte("candidate")
+    fits = fits_on_postgres if fitted else None
+    candidate = claim_query(lock_models=True, fits=fits).cte("candidate")
     first = (
         select(candidate)
         .ext(distinct_on(candidate.c.model_name))

@@ -553,7 +553,8 @@ class SqliteStore(QueueStore):
         capabilities: Capabilities | None,
     ) -> list[Claim]:
         now = utcnow()
-        query = statements.claim_query(fitted=capabilities is not None)
+        fits = statements.fits_on_sqlite if capabilities is not None else None
+        query = statements.claim_query(fits=fits)
         fit: dict[str, Any] = {}
         if capabilities is not None:
             fit = {
