@@ -196,6 +196,13 @@ class Settings(BaseSettings):
         default=DEFAULT_DATA_DIR,
         description="Where the embedded database and backend checkpoints live.",
     )
+    cpu_device: str = Field(
+        default="auto",
+        pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$",
+        description="Where the cpu backend's models run: `auto` (the first CUDA device torch "
+        "sees, else the CPU), `cpu`, `cuda` or `cuda:N`. The same trainer and server run on a "
+        "GPU worker.",
+    )
     checkpoint_url: str | None = Field(
         default=None,
         description="Where the cpu and dry-run backends keep checkpoints. Empty: under "

@@ -51,6 +51,7 @@ def _cpu(settings: Settings) -> CpuBackend:
         host=settings.cpu_inference_host,
         port=settings.cpu_inference_port,
         admission=Admission(settings.serving_max_tokens, settings.serving_retry_after_seconds),
+        device=settings.cpu_device,
     )
 
 

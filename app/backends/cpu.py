@@ -86,11 +86,13 @@ class CpuBackend(CheckpointDirs):
         host: str = "127.0.0.1",
         port: int = 0,
         admission: Admission | None = None,
+        device: str = "cpu",
     ) -> None:
         super().__init__(path, shelf=shelf)
         self.admission = admission or Admission()
         self.host, self.port = host, port
         self.model_roots = list(model_roots)
+        self.device = device  # where its models run: `cpu`, `cuda[:N]`, or `auto`
         self._policies: dict[str, Any] = {}
         self._server: Any = None
 
@@ -127,7 +129,13 @@ class CpuBackend(CheckpointDirs):
                 f"the cpu backend loads models from local directories; {base!r} is not one "
                 "(make one with `trainyard make-tiny-model DIR`)"
             )
-        policy = Policy(base, rank=config.lora_rank, alpha=config.lora_alpha, seed=config.seed)
+        policy = Policy(
+            base,
+            rank=config.lora_rank,
+            alpha=config.lora_alpha,
+            seed=config.seed,
+            device=self.device,
+        )
         if not self.sync(model, policy):
             with self.writing(model, 0, replace=False) as partial:
                 policy.save(partial, 0)

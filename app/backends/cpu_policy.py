@@ -82,13 +82,17 @@ def _no_model_card(output_dir: str) -> None:
 class Policy:
     """A base model plus a LoRA adapter, its optimizer, and the lock that guards them."""
 
-    def __init__(self, base_model: str, *, rank: int, alpha: int, seed: int) -> None:
+    def __init__(
+        self, base_model: str, *, rank: int, alpha: int, seed: int, device: str = "cpu"
+    ) -> None:
+        self.device = torch.device(resolve_device(device))
         self.tokenizer = AutoTokenizer.from_pretrained(base_model, local_files_only=True)
         base = AutoModelForCausalLM.from_pretrained(base_model, local_files_only=True)
         targets = [m for m in TARGET_MODULES if any(n.endswith(m) for n, _ in base.named_modules())]
         config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0)
-        with seeded(seed):  # the adapter's first weights
+        with seeded(seed):  # the adapter's first weights (drawn on the CPU, on any device)
             self.model: PeftModel = get_peft_model(base, config)
+        self.model.to(self.device)
         # peft writes a model card (README.md, rendered from a Jinja template) wherever it
         # saves: 8 of a save's 10 ms here, for a file nothing reads (the loader and the
         # export take the adapter's two files).
@@ -162,8 +166,10 @@ class Policy:
         """Sample `n` completions; logprobs are the model's own (before temperature), as
         vLLM reports them by default. `abandoned` is asked before every token: once it says
         yes, sampling stops and raises `Abandoned` (its caller went away)."""
-        generator = torch.Generator().manual_seed(seed) if seed is not None else None
-        input_ids = torch.tensor([prompt_ids] * n)
+        generator = (
+            torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
+        )
+        input_ids = torch.tensor([prompt_ids] * n, device=self.device)
         past = None
         samples = [Sample([], [], [], "length") for _ in range(n)]
         active = list(range(n))
@@ -276,7 +282,11 @@ class Policy:
         losses, kls, ratios = [], [], []
         for seq in batch:
             new = self._completion_logprobs(seq)
-            old = torch.tensor(seq.old_logprobs) if seq.old_logprobs else new.detach()
+            old = (
+                torch.tensor(seq.old_logprobs, device=self.device)
+                if seq.old_logprobs
+                else new.detach()
+            )
             ratio = torch.exp(new - old)
             clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon)
             loss = -torch.min(ratio * seq.advantage, clipped * seq.advantage)
@@ -305,7 +315,7 @@ class Policy:
         return metrics
 
     def _completion_logprobs(self, seq: Turn) -> torch.Tensor:
-        ids = torch.tensor([seq.prompt_ids + seq.completion_ids])
+        ids = torch.tensor([seq.prompt_ids + seq.completion_ids], device=self.device)
         logits = self.model(input_ids=ids).logits[0, :-1].float()
         logprobs = torch.log_softmax(logits, dim=-1)
         targets = ids[0, 1:]
@@ -318,10 +328,22 @@ class Policy:
             self.optimizer = torch.optim.AdamW(params, lr=learning_rate, weight_decay=0.0)
             state = getattr(self, "_optimizer_state", None)
             if state is not None and Path(state).exists():
-                self.optimizer.load_state_dict(torch.load(state, weights_only=True))
+                self.optimizer.load_state_dict(
+                    torch.load(state, weights_only=True, map_location=self.device)
+                )
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate
         return self.optimizer
+
+
+def resolve_device(device: str) -> str:
+    """`auto`: the first CUDA device when torch sees one, else the CPU; `cpu`, `cuda` and
+    `cuda:N` as given (a CUDA device asked for where there is none is an error here)."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"TRAINYARD_CPU_DEVICE={device}, but torch sees no CUDA device")
+    return device
 
 
 def _choose(

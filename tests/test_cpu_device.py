@@ -1,0 +1,59 @@
+"""The cpu backend's device: `auto` takes CUDA where torch sees it, the CPU here; a CUDA
+device named where there is none is refused with the setting's name; a bad value is
+refused at start. (The CUDA path itself runs on a lent GPU: scripts/gpu_smoke.py.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from app.settings import Settings
+
+pytestmark = pytest.mark.torch
+
+
+def test_auto_is_the_cpu_where_torch_sees_no_gpu_and_cuda_there_is_refused() -> None:
+    import torch
+
+    from app.backends.cpu_policy import resolve_device
+
+    assert resolve_device("cpu") == "cpu"
+    if torch.cuda.is_available():  # a lent GPU machine
+        assert resolve_device("auto") == "cuda"
+    else:
+        assert resolve_device("auto") == "cpu"
+        with pytest.raises(RuntimeError, match="TRAINYARD_CPU_DEVICE=cuda:1"):
+            resolve_device("cuda:1")
+
+
+@pytest.mark.parametrize("value", ["gpu", "cuda:", "cuda:x", "CPU", ""])
+def test_a_device_setting_it_cannot_use_is_refused_at_start(value: str) -> None:
+    with pytest.raises(ValidationError, match="cpu_device"):
+        Settings(cpu_device=value)
+
+
+def test_a_policy_samples_and_trains_on_the_device_it_was_given(tmp_path: Path) -> None:
+    from app.backends.cpu_policy import Policy, Turn
+    from app.backends.tiny_model import make_tiny_model
+
+    base = make_tiny_model(tmp_path / "tiny")
+    policy = Policy(str(base), rank=2, alpha=4, seed=1, device="auto")
+    assert {p.device.type for p in policy.model.parameters()} == {policy.device.type}
+    prompt = policy.encode_prompt([{"role": "user", "content": "hi"}])
+    [sample] = policy.sample(
+        prompt,
+        n=1,
+        max_tokens=3,
+        temperature=1.0,
+        top_p=1.0,
+        top_logprobs=0,
+        stop_ids=set(),
+        seed=7,
+    )
+    turn = Turn(prompt, sample.token_ids, sample.logprobs, advantage=1.0)
+    metrics = policy.step(
+        [turn], learning_rate=0.01, epsilon=0.2, kl_penalty_coef=0.0, max_grad_norm=1.0
+    )
+    assert metrics["loss/grad_norm"] > 0
