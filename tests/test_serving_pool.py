@@ -1,0 +1,227 @@
+"""A serving pool apart from the trainers: two `trainyard serve-pool` processes (one base
+model, adapters loaded by vLLM's runtime protocol) behind the gateway
+(TRAINYARD_SERVING_POOLS), over real HTTP on loopback: steps served as `name@N` from the
+checkpoint storage, loaded on a miss, routed by affinity, a dead replica skipped, errors
+in OpenAI's envelope."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from app.backends.serving_pools import rank
+from app.backends.tiny_model import make_tiny_model
+from app.models import ModelRow
+from tests.processes import TRAINYARD, environment, free_port, stop, until
+
+pytestmark = pytest.mark.torch
+PROMPT = [{"role": "user", "content": "say yes"}]
+GREEDY = {"messages": PROMPT, "max_tokens": 3, "temperature": 0, "logprobs": True}
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("pool-models") / "tiny")
+
+
+def write_step(data_dir: Path, step: int, seed: int, tiny: Path) -> Path:
+    """A real adapter of the tiny model as the cpu backend lays out step `step` of
+    `tests/toy` (its LoRA weights drawn from `seed`, so each step answers differently)."""
+    import torch
+
+    from app.backends.cpu_policy import Policy
+
+    policy = Policy(str(tiny), rank=4 + step, alpha=16, seed=seed)  # ranks differ by step
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in policy.model.named_parameters():
+            if "lora_" in name:
+                parameter.normal_(0, 0.5)
+    path = data_dir / "cpu" / "tests" / "models" / "toy" / "checkpoints" / f"{step:04d}"
+    path.mkdir(parents=True)
+    policy.save(path, step)
+    return path
+
+
+@pytest.fixture
+def pools(tmp_path: Path, tiny_model: Path) -> Iterator[tuple[Path, list[str], list[Any]]]:
+    """Two pool replicas of the tiny model over one data directory (their URLs, processes)."""
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    ports = [free_port(), free_port()]
+    processes = []
+    for port in ports:
+        env = environment(_settings(data_dir), TRAINYARD_MODEL_ROOTS=str(tiny_model.parent))
+        command = [TRAINYARD, "serve-pool", "--base-model", str(tiny_model), "--port", str(port)]
+        processes.append(subprocess.Popen(command, env=env))
+    try:
+        yield data_dir, [f"http://127.0.0.1:{port}/v1" for port in ports], processes
+    finally:
+        for process in processes:
+            stop(process)
+
+
+def _settings(data_dir: Path) -> Any:
+    from app.settings import Settings
+
+    return Settings(data_dir=data_dir)
+
+
+async def _listening(urls: list[str], processes: list[Any]) -> None:
+    async with httpx.AsyncClient(timeout=5) as client:
+
+        async def up() -> bool:
+            for process in processes:
+                assert process.poll() is None, "a pool process exited"
+            try:
+                for url in urls:
+                    await client.get(f"{url}/models")
+            except httpx.TransportError:
+                return False
+            return True
+
+        await until(up, 180, "the pool replicas")
+
+
+async def _adapters(client: httpx.AsyncClient, url: str) -> set[str]:
+    listed = (await client.get(f"{url}/models")).json()["data"]
+    return {entry["id"] for entry in listed if entry["parent"] is not None}
+
+
+def _first_logprobs(answer: httpx.Response) -> list[float]:
+    assert answer.status_code == 200, answer.text
+    return [t["logprob"] for t in answer.json()["choices"][0]["logprobs"]["content"]]
+
+
+async def test_the_gateway_serves_steps_from_a_pool_of_replicas(serve, pools, tiny_model) -> None:
+    data_dir, replicas, processes = pools
+    base = str(tiny_model)
+    for step in (1, 2):
+        write_step(data_dir, step, seed=step, tiny=tiny_model)
+    settings = {
+        "data_dir": data_dir,
+        "model_roots": [tiny_model.parent],
+        "serving_pools": {base: replicas},
+    }
+    await _listening(replicas, processes)
+    async with serve(**settings) as live, httpx.AsyncClient(timeout=120) as direct:
+        body = {"name": "toy", "project": "tests", "base_model": base, "backend": "cpu"}
+        assert (await live.client.post("/v1/models", json=body)).status_code == 201
+        async with live.app.state.sessions() as session:  # two steps trained, as a worker says
+            row = await session.get(ModelRow, "toy")
+            row.current_step = 2
+            await session.commit()
+
+        chat = "/openai/v1/chat/completions"
+        answers = {}
+        for name in ("toy@1", "toy@2", "toy", "toy@latest"):
+            answer = await live.client.post(chat, json={"model": name, **GREEDY}, timeout=120)
+            assert answer.status_code == 200, answer.text
+            answers[name] = answer
+        assert answers["toy"].json()["model"] == "toy@2"
+        assert answers["toy@1"].json()["model"] == "toy@1"
+        # Each step's own adapter answered: the steps differ, `toy` is step 2.
+        assert _first_logprobs(answers["toy@1"]) != _first_logprobs(answers["toy@2"])
+        assert _first_logprobs(answers["toy"]) == _first_logprobs(answers["toy@2"])
+
+        # Loaded on a miss by the protocol, each on its affinity replica only.
+        held = {url: await _adapters(direct, url) for url in replicas}
+        for name in ("toy@1", "toy@2"):
+            home = rank(replicas, name)[0]
+            assert name in held[home]
+            assert all(name not in held[url] for url in replicas if url != home)
+        # The pool answers the gateway's name as the gateway did.
+        home = rank(replicas, "toy@2")[0]
+        at_pool = await direct.post(f"{home}/chat/completions", json={"model": "toy@2", **GREEDY})
+        assert _first_logprobs(at_pool) == _first_logprobs(answers["toy@2"])
+
+        # The gateway's own errors, in OpenAI's envelope.
+        for name, code in (("toy@3", "model_not_found"), ("toy@", "model_not_found")):
+            refused = await live.client.post(chat, json={"model": name, **GREEDY})
+            assert refused.status_code == 404, refused.text
+            assert refused.json()["error"]["code"] == code
+
+        # A dead replica is skipped: its names load on the next one in their ranking.
+        dead = rank(replicas, "toy@1")[0]
+        survivor = next(url for url in replicas if url != dead)
+        processes[replicas.index(dead)].kill()
+        processes[replicas.index(dead)].wait()
+        again = await live.client.post(chat, json={"model": "toy@1", **GREEDY}, timeout=120)
+        assert _first_logprobs(again) == _first_logprobs(answers["toy@1"])
+        assert "toy@1" in await _adapters(direct, survivor)
+
+        # A step that retention removed is not loaded (404), and is unloaded from the pool
+        # the next time the gateway loads a step of that model there.
+        shutil.rmtree(data_dir / "cpu" / "tests" / "models" / "toy" / "checkpoints" / "0001")
+        write_step(data_dir, 3, seed=3, tiny=tiny_model)
+        async with live.app.state.sessions() as session:
+            row = await session.get(ModelRow, "toy")
+            row.current_step = 3
+            await session.commit()
+        live.app.state.gateway.pools.dead(dead)  # still dead: everything goes to the survivor
+        latest = await live.client.post(chat, json={"model": "toy", **GREEDY}, timeout=120)
+        assert latest.json()["model"] == "toy@3"
+        held_now = await _adapters(direct, survivor)
+        assert "toy@3" in held_now and "toy@1" not in held_now
+        deleted = await live.client.post(chat, json={"model": "toy@1", **GREEDY})
+        assert deleted.status_code == 404, deleted.text
+        assert deleted.json()["error"]["code"] == "model_not_found"
+        assert "No adapter found" in deleted.json()["error"]["message"]
+
+        # Every replica dead: 503 with Retry-After, in the envelope.
+        processes[replicas.index(survivor)].kill()
+        processes[replicas.index(survivor)].wait()
+        gone = await live.client.post(chat, json={"model": "toy@2", **GREEDY})
+        assert gone.status_code == 503, gone.text
+        assert gone.json()["error"]["code"] == "model_unavailable"
+        assert gone.headers["retry-after"] == "1"
+
+
+async def test_the_pool_speaks_vllms_adapter_protocol(pools, tiny_model) -> None:
+    data_dir, replicas, processes = pools
+    step = write_step(data_dir, 1, seed=1, tiny=tiny_model)
+    url = replicas[0]
+    await _listening(replicas, processes)
+    async with httpx.AsyncClient(timeout=120) as client:
+        load = f"{url}/load_lora_adapter"
+        loaded = await client.post(load, json={"lora_name": "toy@1", "lora_path": str(step)})
+        assert loaded.status_code == 200, loaded.text
+        assert loaded.text == "Success: LoRA adapter 'toy@1' added successfully."
+        listed = (await client.get(f"{url}/models")).json()["data"]
+        assert [(m["id"], m["parent"]) for m in listed] == [
+            (str(tiny_model), None),
+            ("toy@1", str(tiny_model)),
+        ]
+        base = await client.post(
+            f"{url}/chat/completions", json={"model": str(tiny_model), **GREEDY}
+        )
+        adapted = await client.post(f"{url}/chat/completions", json={"model": "toy@1", **GREEDY})
+        assert _first_logprobs(base) != _first_logprobs(adapted)
+
+        async def refused(path: str, body: dict[str, Any], status: int, says: str) -> None:
+            answer = await client.post(f"{url}{path}", json=body)
+            assert answer.status_code == status, answer.text
+            error = answer.json()["error"]
+            assert error["code"] == status and says in error["message"], error
+
+        again = {"lora_name": "toy@1", "lora_path": str(step)}
+        await refused("/load_lora_adapter", again, 400, "has already been loaded")
+        outside = {"lora_name": "x", "lora_path": str(tiny_model)}
+        await refused("/load_lora_adapter", outside, 400, "not an absolute path under")
+        missing = {"lora_name": "x", "lora_path": str(step.parent / "0009")}
+        await refused("/load_lora_adapter", missing, 404, "No adapter found")
+        await refused("/load_lora_adapter", {"lora_name": "x"}, 400, "lora_path")
+        await refused("/unload_lora_adapter", {"lora_name": "nope"}, 404, "cannot be found")
+        await refused("/chat/completions", {"model": "nope", **GREEDY}, 404, "does not exist")
+        bad = {"model": "toy@1", **GREEDY, "temperature": 9}
+        await refused("/chat/completions", bad, 400, "temperature")
+
+        unloaded = await client.post(f"{url}/unload_lora_adapter", json={"lora_name": "toy@1"})
+        assert unloaded.status_code == 200
+        await refused("/chat/completions", {"model": "toy@1", **GREEDY}, 404, "does not exist")
