@@ -15,12 +15,19 @@ from typing import Any
 import httpx
 import pytest
 
+from app.backends.base import ModelSpec
 from app.backends.serving_pools import rank
+from app.backends.storage import Storage
 from app.backends.tiny_model import make_tiny_model
 from app.models import ModelRow
+from app.settings import Settings
+from tests import test_checkpoint_storage as storage_tests
 from tests.processes import TRAINYARD, environment, free_port, stop, until
 
 pytestmark = pytest.mark.torch
+KEYS = storage_tests.KEYS
+s3_endpoint = storage_tests.s3_endpoint  # the object store's fixtures
+bucket = storage_tests.bucket
 PROMPT = [{"role": "user", "content": "say yes"}]
 GREEDY = {"messages": PROMPT, "max_tokens": 3, "temperature": 0, "logprobs": True}
 
@@ -49,28 +56,32 @@ def write_step(data_dir: Path, step: int, seed: int, tiny: Path) -> Path:
     return path
 
 
-@pytest.fixture
-def pools(tmp_path: Path, tiny_model: Path) -> Iterator[tuple[Path, list[str], list[Any]]]:
-    """Two pool replicas of the tiny model over one data directory (their URLs, processes)."""
-    data_dir = tmp_path / "data"
-    data_dir.mkdir()
-    ports = [free_port(), free_port()]
+def start_pools(
+    data_dir: Path, tiny: Path, count: int, **env: str
+) -> tuple[list[str], list[subprocess.Popen[bytes]]]:
+    """`count` pool replicas of the tiny model (their URLs, processes)."""
+    ports = [free_port() for _ in range(count)]
     processes = []
     for port in ports:
-        env = environment(_settings(data_dir), TRAINYARD_MODEL_ROOTS=str(tiny_model.parent))
-        command = [TRAINYARD, "serve-pool", "--base-model", str(tiny_model), "--port", str(port)]
-        processes.append(subprocess.Popen(command, env=env))
+        environ = environment(
+            Settings(data_dir=data_dir), TRAINYARD_MODEL_ROOTS=str(tiny.parent), **env
+        )
+        command = [TRAINYARD, "serve-pool", "--base-model", str(tiny), "--port", str(port)]
+        processes.append(subprocess.Popen(command, env=environ))
+    return [f"http://127.0.0.1:{port}/v1" for port in ports], processes
+
+
+@pytest.fixture
+def pools(tmp_path: Path, tiny_model: Path) -> Iterator[tuple[Path, list[str], list[Any]]]:
+    """Two pool replicas of the tiny model over one data directory."""
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    replicas, processes = start_pools(data_dir, tiny_model, 2)
     try:
-        yield data_dir, [f"http://127.0.0.1:{port}/v1" for port in ports], processes
+        yield data_dir, replicas, processes
     finally:
         for process in processes:
             stop(process)
-
-
-def _settings(data_dir: Path) -> Any:
-    from app.settings import Settings
-
-    return Settings(data_dir=data_dir)
 
 
 async def _listening(urls: list[str], processes: list[Any]) -> None:
@@ -225,3 +236,86 @@ async def test_the_pool_speaks_vllms_adapter_protocol(pools, tiny_model) -> None
         unloaded = await client.post(f"{url}/unload_lora_adapter", json={"lora_name": "toy@1"})
         assert unloaded.status_code == 200
         await refused("/chat/completions", {"model": "toy@1", **GREEDY}, 404, "does not exist")
+
+
+async def test_a_pool_loads_steps_from_the_object_store(
+    serve, tiny_model, tmp_path, s3_endpoint, bucket
+) -> None:
+    """No shared disk: the step is written to the object store (as a trainer writes it),
+    the gateway names its `s3://` URL, the pool fetches it into its own cache."""
+    from app.backends.checkpoints import CheckpointDirs
+    from app.backends.storage import Shelf
+
+    url = f"s3://{bucket}/fleet"
+    s3 = {
+        "checkpoint_url": url,
+        "checkpoint_s3_endpoint": s3_endpoint,
+        "checkpoint_s3_region": "us-east-1",
+        **KEYS,
+    }
+    trainer = Storage(Settings(data_dir=tmp_path / "trainer", **s3))
+    assert trainer.store is not None and trainer.cache is not None
+    dirs = CheckpointDirs(
+        tmp_path / "trainer" / "cpu", shelf=Shelf(trainer.store, "cpu", trainer.cache)
+    )
+    spec = ModelSpec("toy", "tests", str(tiny_model), {})
+    with dirs.writing(spec, 1) as partial:
+        shutil.copytree(
+            write_step(tmp_path / "scratch", 1, 1, tiny_model), partial, dirs_exist_ok=True
+        )
+    env = {f"TRAINYARD_{key.upper()}": value for key, value in s3.items()}
+    replicas, processes = start_pools(tmp_path / "pool", tiny_model, 1, **env)
+    try:
+        await _listening(replicas, processes)
+        settings = {
+            "data_dir": tmp_path / "api",
+            "model_roots": [tiny_model.parent],
+            "serving_pools": {str(tiny_model): replicas},
+            **s3,
+        }
+        async with serve(**settings) as live, httpx.AsyncClient(timeout=120) as direct:
+            body = {
+                "name": "toy",
+                "project": "tests",
+                "base_model": str(tiny_model),
+                "backend": "cpu",
+            }
+            assert (await live.client.post("/v1/models", json=body)).status_code == 201
+            async with live.app.state.sessions() as session:
+                row = await session.get(ModelRow, "toy")
+                row.current_step = 1
+                await session.commit()
+            answer = await live.client.post(
+                "/openai/v1/chat/completions", json={"model": "toy", **GREEDY}, timeout=120
+            )
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["model"] == "toy@1"
+            listed = (await direct.get(f"{replicas[0]}/models")).json()["data"]
+            assert listed[1] == {
+                **listed[1],
+                "id": "toy@1",
+                "root": f"{url}/cpu/tests/models/toy/checkpoints/0001",
+            }
+            assert (
+                tmp_path
+                / "pool"
+                / "checkpoint-cache"
+                / "cpu"
+                / "tests"
+                / "models"
+                / "toy"
+                / "checkpoints"
+                / "0001"
+                / "adapter_model.safetensors"
+            ).is_file()
+            # A pool on an object store reads nothing else.
+            local = {"lora_name": "x", "lora_path": str(tmp_path / "scratch")}
+            refused = await direct.post(f"{replicas[0]}/load_lora_adapter", json=local)
+            assert refused.status_code == 400, refused.text
+            assert "reads checkpoints from" in refused.json()["error"]["message"]
+            elsewhere = {"lora_name": "x", "lora_path": f"s3://{bucket}/other/cpu/p/0001"}
+            refused = await direct.post(f"{replicas[0]}/load_lora_adapter", json=elsewhere)
+            assert refused.status_code == 400, refused.text
+    finally:
+        for process in processes:
+            stop(process)
