@@ -237,6 +237,21 @@ async def test_the_pool_speaks_vllms_adapter_protocol(pools, tiny_model) -> None
         assert unloaded.status_code == 200
         await refused("/chat/completions", {"model": "toy@1", **GREEDY}, 404, "does not exist")
 
+        # Two adapters of one rank share a policy, swapped per request; one whose files
+        # were deleted meanwhile is dropped (404), not a failure.
+        copy = step.with_name("0002")
+        shutil.copytree(step, copy)
+        for name, path in (("a", step), ("b", copy)):
+            body = {"lora_name": name, "lora_path": str(path)}
+            assert (await client.post(load, json=body)).status_code == 200
+        for name in ("a", "b"):
+            served = await client.post(f"{url}/chat/completions", json={"model": name, **GREEDY})
+            assert _first_logprobs(served) == _first_logprobs(adapted)
+        shutil.rmtree(step)
+        await refused("/chat/completions", {"model": "a", **GREEDY}, 404, "adapter is gone")
+        listed = (await client.get(f"{url}/models")).json()["data"]
+        assert [m["id"] for m in listed] == [str(tiny_model), "b"]
+
 
 async def test_a_pool_loads_steps_from_the_object_store(
     serve, tiny_model, tmp_path, s3_endpoint, bucket

@@ -279,14 +279,17 @@ def create_pool_app(pool: AdapterPool) -> FastAPI:
             return _saturated(str(exc), exc.retry_after)
         abandoned = threading.Event()
 
-        def serve() -> dict[str, Any]:
+        def serve() -> dict[str, Any] | JSONResponse:
             policy = pool.policy(adapter)
             while not policy.lock.acquire(timeout=DISCONNECT_POLL_S):
                 if abandoned.is_set():
                     raise Abandoned("the request was abandoned while it waited")
             try:
                 ticket.start()
-                pool.ready(policy, adapter)
+                try:
+                    pool.ready(policy, adapter)
+                except AdapterRefused as exc:
+                    return _vllm_error(exc.status, exc.message)
                 return _complete(policy, request, messages, request.model, abandoned.is_set)
             finally:
                 policy.lock.release()

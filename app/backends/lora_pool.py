@@ -122,7 +122,21 @@ class AdapterPool:
             return policy
 
     def ready(self, policy: Any, adapter: Adapter | None) -> None:
-        """Put `adapter`'s weights in `policy` (its lock held)."""
-        if adapter is not None and self._serving.get(id(policy)) != adapter:
+        """Put `adapter`'s weights in `policy` (its lock held). Its files gone since it
+        loaded (evicted from the cache: fetched again; deleted from storage: the adapter is
+        dropped, AdapterRefused 404, as an unknown model)."""
+        if adapter is None or self._serving.get(id(policy)) == adapter:
+            return
+        try:
             policy.load(adapter.path, 0)
-            self._serving[id(policy)] = adapter
+        except FileNotFoundError:
+            try:
+                path = self.locate(adapter.source)
+            except AdapterRefused:
+                if self.adapters.get(adapter.name) == adapter:
+                    del self.adapters[adapter.name]
+                raise AdapterRefused(
+                    404, f"The model `{adapter.name}` does not exist: its adapter is gone."
+                ) from None
+            policy.load(path, 0)
+        self._serving[id(policy)] = adapter
