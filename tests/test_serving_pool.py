@@ -334,3 +334,21 @@ async def test_a_pool_loads_steps_from_the_object_store(
     finally:
         for process in processes:
             stop(process)
+
+
+def test_bad_pool_settings_and_options_are_refused_naming_them(tmp_path, tiny_model) -> None:
+    env = environment(Settings(data_dir=tmp_path), TRAINYARD_MODEL_ROOTS=str(tiny_model.parent))
+    cases = [
+        (["serve-pool", "--base-model", str(tmp_path / "nowhere")], {}, "--base-model"),
+        (["serve-pool", "--base-model", "relative/dir"], {}, "--base-model"),
+        (["migrate"], {"TRAINYARD_SERVING_POOLS": '{"m": ["ftp://x"]}'}, "SERVING_POOLS"),
+        (["migrate"], {"TRAINYARD_SERVING_POOLS": '{"m": []}'}, "SERVING_POOLS"),
+        (["migrate"], {"TRAINYARD_SERVING_POOLS": "[1]"}, "SERVING_POOLS"),
+    ]
+    for args, extra, named in cases:
+        done = subprocess.run(
+            [TRAINYARD, *args], env={**env, **extra}, capture_output=True, timeout=120
+        )
+        assert done.returncode == 2, (args, extra, done.stderr)
+        assert named in done.stderr.decode(), done.stderr
+        assert b"Traceback" not in done.stderr
