@@ -34,6 +34,9 @@ from app.models import ModelRow
 from app.schemas.checkpoints import ALIAS_PATTERN
 
 PREFIX = "/openai/v1"
+# Backends whose steps a serving pool loads: their checkpoints lie in Trainyard's storage
+# (`app.backends.checkpoints`). ART's keep their own serving (an external vLLM included).
+POOLED = frozenset({"cpu"})
 LATEST = "latest"
 MAX_STEP = 2**31 - 1
 # Hop-by-hop and length headers are the gateway's own to set.
@@ -153,7 +156,7 @@ class Gateway:
                 "model_not_served",
             )
         step = await self._step(session, row, selector, requested)
-        if self.pools.pool_of(row.base_model) is not None:
+        if row.backend in POOLED and self.pools.pool_of(row.base_model) is not None:
             return self._pool_route(row, step)
         if self.serves_here:
             spec = ModelSpec(row.name, row.project, row.base_model, row.config)
@@ -178,14 +181,7 @@ class Gateway:
     def _pool_route(self, row: ModelRow, step: int) -> Route:
         spec = ModelSpec(row.name, row.project, row.base_model, row.config)
         dirs = self.backends.get(row.backend).backend
-        if not isinstance(dirs, CheckpointDirs):
-            raise GatewayError(
-                404,
-                f"The model `{row.name}` cannot be served from the pool of "
-                f"`{row.base_model}`: its backend `{row.backend}` keeps no checkpoints in "
-                "Trainyard's storage.",
-                "model_not_served",
-            )
+        assert isinstance(dirs, CheckpointDirs)  # as every backend in POOLED
         name = f"{row.name}@{step}"
         return Route(
             "", name, None, step, row.base_model, dirs.location(spec, step), spec, row.backend
