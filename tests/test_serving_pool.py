@@ -1,8 +1,8 @@
 """A serving pool apart from the trainers: two `trainyard serve-pool` processes (one base
 model, adapters loaded by vLLM's runtime protocol) behind the gateway
-(TRAINYARD_SERVING_POOLS), over real HTTP on loopback: steps served as `name@N` from the
-checkpoint storage, loaded on a miss, routed by affinity, a dead replica skipped, errors
-in OpenAI's envelope."""
+(TRAINYARD_SERVING_POOLS), over real HTTP on loopback: steps the service's worker trained
+served as `name@N` from the checkpoint storage (a directory, or an S3 server), loaded on a
+miss, routed by affinity, a dead replica skipped, errors in OpenAI's envelope."""
 
 from __future__ import annotations
 
@@ -22,7 +22,9 @@ from app.backends.tiny_model import make_tiny_model
 from app.models import ModelRow
 from app.settings import Settings
 from tests import test_checkpoint_storage as storage_tests
+from tests.backends import wait_final
 from tests.processes import TRAINYARD, environment, free_port, stop, until
+from tests.test_cpu_backend import register, sample
 
 pytestmark = pytest.mark.torch
 KEYS = storage_tests.KEYS
@@ -110,33 +112,62 @@ def _first_logprobs(answer: httpx.Response) -> list[float]:
     return [t["logprob"] for t in answer.json()["choices"][0]["logprobs"]["content"]]
 
 
-async def test_the_gateway_serves_steps_from_a_pool_of_replicas(serve, pools, tiny_model) -> None:
+async def train_step(live: Any) -> int:
+    """One real policy-gradient step of `toy` by the service's worker (the cpu backend),
+    on answers sampled from the worker's own endpoint; the new step."""
+    model = (await live.client.get("/v1/models/toy")).json()
+    choices = await sample(model, n=8, max_tokens=3, seed=model["current_step"])
+    groups = [
+        {
+            "trajectories": [
+                {"messages_and_choices": [*PROMPT, c], "reward": float(i % 2)}
+                for i, c in enumerate(choices)
+            ]
+        }
+    ]
+    job = await live.client.post(
+        "/v1/training-jobs",
+        json={"model": "toy", "groups": groups, "hyperparameters": {"learning_rate": 0.05}},
+    )
+    assert job.status_code == 202, job.text
+    done = await wait_final(live.client, job.json()["id"], timeout=120)
+    assert done["status"] == "succeeded", done["error"]
+    return int(done["result"]["final_step"])
+
+
+async def test_the_gateway_serves_trained_steps_from_a_pool_of_replicas(
+    serve, pools, tiny_model
+) -> None:
     data_dir, replicas, processes = pools
     base = str(tiny_model)
-    for step in (1, 2):
-        write_step(data_dir, step, seed=step, tiny=tiny_model)
     settings = {
         "data_dir": data_dir,
         "model_roots": [tiny_model.parent],
         "serving_pools": {base: replicas},
+        "worker_enabled": True,  # it trains; the pool serves
     }
     await _listening(replicas, processes)
     async with serve(**settings) as live, httpx.AsyncClient(timeout=120) as direct:
-        body = {"name": "toy", "project": "tests", "base_model": base, "backend": "cpu"}
-        assert (await live.client.post("/v1/models", json=body)).status_code == 201
-        async with live.app.state.sessions() as session:  # two steps trained, as a worker says
-            row = await session.get(ModelRow, "toy")
-            row.current_step = 2
-            await session.commit()
+        await register(live.client, tiny_model)
+        assert [await train_step(live), await train_step(live)] == [1, 2]
+
+        alias = await live.client.put("/v1/models/toy/aliases/stable", json={"step": 2})
+        assert alias.status_code == 201, alias.text
 
         chat = "/openai/v1/chat/completions"
         answers = {}
-        for name in ("toy@1", "toy@2", "toy", "toy@latest"):
+        for name in ("toy@1", "toy@2", "toy", "toy@latest", "toy@stable"):
             answer = await live.client.post(chat, json={"model": name, **GREEDY}, timeout=120)
             assert answer.status_code == 200, answer.text
             answers[name] = answer
-        assert answers["toy"].json()["model"] == "toy@2"
-        assert answers["toy@1"].json()["model"] == "toy@1"
+        served = {name: answer.json()["model"] for name, answer in answers.items()}
+        assert served == {
+            "toy@1": "toy@1",
+            "toy@2": "toy@2",
+            "toy": "toy@2",
+            "toy@latest": "toy@2",
+            "toy@stable": "toy@2",
+        }
         # Each step's own adapter answered: the steps differ, `toy` is step 2.
         assert _first_logprobs(answers["toy@1"]) != _first_logprobs(answers["toy@2"])
         assert _first_logprobs(answers["toy"]) == _first_logprobs(answers["toy@2"])
@@ -153,10 +184,10 @@ async def test_the_gateway_serves_steps_from_a_pool_of_replicas(serve, pools, ti
         assert _first_logprobs(at_pool) == _first_logprobs(answers["toy@2"])
 
         # The gateway's own errors, in OpenAI's envelope.
-        for name, code in (("toy@3", "model_not_found"), ("toy@", "model_not_found")):
+        for name in ("toy@3", "toy@", "toy@nonesuch"):
             refused = await live.client.post(chat, json={"model": name, **GREEDY})
             assert refused.status_code == 404, refused.text
-            assert refused.json()["error"]["code"] == code
+            assert refused.json()["error"]["code"] == "model_not_found"
 
         # A dead replica is skipped: its names load on the next one in their ranking.
         dead = rank(replicas, "toy@1")[0]
@@ -167,31 +198,28 @@ async def test_the_gateway_serves_steps_from_a_pool_of_replicas(serve, pools, ti
         assert _first_logprobs(again) == _first_logprobs(answers["toy@1"])
         assert "toy@1" in await _adapters(direct, survivor)
 
-        # A step that retention removed is not loaded (404), and is unloaded from the pool
-        # the next time the gateway loads a step of that model there.
-        shutil.rmtree(data_dir / "cpu" / "tests" / "models" / "toy" / "checkpoints" / "0001")
-        write_step(data_dir, 3, seed=3, tiny=tiny_model)
-        async with live.app.state.sessions() as session:
-            row = await session.get(ModelRow, "toy")
-            row.current_step = 3
-            await session.commit()
+        # A step deleted through the registry is not loaded again (404), and is unloaded
+        # from the pool the next time the gateway loads a step of that model there.
+        deleted = await live.client.delete("/v1/models/toy/checkpoints/1")
+        assert deleted.status_code == 204, deleted.text
+        assert await train_step(live) == 3
         live.app.state.gateway.pools.dead(dead)  # still dead: everything goes to the survivor
         latest = await live.client.post(chat, json={"model": "toy", **GREEDY}, timeout=120)
         assert latest.json()["model"] == "toy@3"
         held_now = await _adapters(direct, survivor)
         assert "toy@3" in held_now and "toy@1" not in held_now
-        deleted = await live.client.post(chat, json={"model": "toy@1", **GREEDY})
-        assert deleted.status_code == 404, deleted.text
-        assert deleted.json()["error"]["code"] == "model_not_found"
-        assert "No adapter found" in deleted.json()["error"]["message"]
+        gone = await live.client.post(chat, json={"model": "toy@1", **GREEDY})
+        assert gone.status_code == 404, gone.text
+        assert gone.json()["error"]["code"] == "model_not_found"
+        assert "No adapter found" in gone.json()["error"]["message"]
 
         # Every replica dead: 503 with Retry-After, in the envelope.
         processes[replicas.index(survivor)].kill()
         processes[replicas.index(survivor)].wait()
-        gone = await live.client.post(chat, json={"model": "toy@2", **GREEDY})
-        assert gone.status_code == 503, gone.text
-        assert gone.json()["error"]["code"] == "model_unavailable"
-        assert gone.headers["retry-after"] == "1"
+        down = await live.client.post(chat, json={"model": "toy@2", **GREEDY})
+        assert down.status_code == 503, down.text
+        assert down.json()["error"]["code"] == "model_unavailable"
+        assert down.headers["retry-after"] == "1"
 
 
 async def test_the_pool_speaks_vllms_adapter_protocol(pools, tiny_model) -> None:
