@@ -183,6 +183,13 @@ async def test_the_gateway_serves_trained_steps_from_a_pool_of_replicas(
         at_pool = await direct.post(f"{home}/chat/completions", json={"model": "toy@2", **GREEDY})
         assert _first_logprobs(at_pool) == _first_logprobs(answers["toy@2"])
 
+        # A replica that lost an adapter (as a restarted one has) gets it loaded again.
+        lost = await direct.post(f"{home}/unload_lora_adapter", json={"lora_name": "toy@2"})
+        assert lost.status_code == 200
+        reloaded = await live.client.post(chat, json={"model": "toy@2", **GREEDY}, timeout=120)
+        assert _first_logprobs(reloaded) == _first_logprobs(answers["toy@2"])
+        assert "toy@2" in await _adapters(direct, home)
+
         # The gateway's own errors, in OpenAI's envelope.
         for name in ("toy@3", "toy@", "toy@nonesuch"):
             refused = await live.client.post(chat, json={"model": name, **GREEDY})
