@@ -10,6 +10,7 @@ import signal
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -191,6 +192,53 @@ async def _run_worker(settings: Settings) -> None:
     drained.cancel()
     stopped.cancel()
     await process.close()
+
+
+@app.command("serve-pool")
+def serve_pool(
+    base_model: Annotated[
+        str,
+        typer.Option(
+            help="The base model's local directory (under TRAINYARD_MODEL_ROOTS or the data "
+            "directory); the pool serves it by this name, as models name it in `base_model`."
+        ),
+    ],
+    host: Annotated[str, typer.Option(help="Bind address.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port (0: a free one, printed at start).")] = 8000,
+) -> None:
+    """Serve one base model and the LoRA adapters loaded into it by vLLM's runtime protocol
+    (`/v1/load_lora_adapter`), apart from any worker: a serving pool for the gateway
+    (TRAINYARD_SERVING_POOLS). Adapters load from the checkpoint storage only
+    (TRAINYARD_CHECKPOINT_URL)."""
+    import uvicorn
+
+    from app.backends.admission import Admission
+    from app.backends.cpu import base_model_refusal
+    from app.backends.cpu_server import create_pool_app
+    from app.backends.lora_pool import AdapterPool
+    from app.backends.storage import Storage
+
+    settings = _settings()
+    _logging(settings.log_level)
+    refusal = base_model_refusal(base_model, settings.allowed_model_roots())
+    if refusal is None and not Path(base_model).is_dir():
+        refusal = "must be a model directory (make one with `trainyard make-tiny-model DIR`)"
+    if refusal is not None:
+        typer.echo(f"trainyard serve-pool: invalid --base-model: it {refusal}", err=True)
+        raise typer.Exit(2)
+    pool = AdapterPool(
+        base_model,
+        Storage(settings),
+        Admission(settings.serving_max_tokens, settings.serving_retry_after_seconds),
+    )
+    pool.policy(None)  # the base model loads before the pool listens
+    config = uvicorn.Config(
+        create_pool_app(pool), host=host, port=port, log_level=settings.log_level
+    )
+    server = uvicorn.Server(config)
+    server.run()
+    if not server.started:
+        sys.exit(3)
 
 
 @app.command()

@@ -11,11 +11,12 @@ replica reads the endpoint the serving worker recorded on the model's row.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import re
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
@@ -25,12 +26,17 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from app.backends import SPECS, Backends
 from app.backends.admission import Admission, Refused
 from app.backends.base import ModelSpec, classify
+from app.backends.checkpoints import CheckpointDirs
 from app.backends.openai_chat import is_step
+from app.backends.serving_pools import PoolRefused, PoolRouter
 from app.checkpoints import service as checkpoints
 from app.models import ModelRow
 from app.schemas.checkpoints import ALIAS_PATTERN
 
 PREFIX = "/openai/v1"
+# Backends whose steps a serving pool loads: their checkpoints lie in Trainyard's storage
+# (`app.backends.checkpoints`). ART's keep their own serving (an external vLLM included).
+POOLED = frozenset({"cpu"})
 LATEST = "latest"
 MAX_STEP = 2**31 - 1
 # Hop-by-hop and length headers are the gateway's own to set.
@@ -67,6 +73,10 @@ class Route:
     model_name: str  # the name the serving endpoint knows the step by
     api_key: str | None
     step: int
+    pool: str | None = None  # the base model whose serving pool serves it
+    lora_path: str | None = None  # where the pool loads the step's adapter from
+    spec: ModelSpec | None = None
+    backend: str | None = None
 
 
 def parse_model(requested: str) -> tuple[str, str]:
@@ -103,6 +113,7 @@ class Gateway:
         self.serves_here = serves_here
         self._timeout = timeout
         self.admission = admission or Admission()
+        self.pools = PoolRouter(backends.settings.serving_pools)
 
     def admit(self, model: str, tokens: int) -> Any:
         """A ticket for `tokens` of work on `model`, or a 429 `GatewayError`."""
@@ -145,6 +156,8 @@ class Gateway:
                 "model_not_served",
             )
         step = await self._step(session, row, selector, requested)
+        if row.backend in POOLED and self.pools.pool_of(row.base_model) is not None:
+            return self._pool_route(row, step)
         if self.serves_here:
             spec = ModelSpec(row.name, row.project, row.base_model, row.config)
             try:
@@ -164,6 +177,72 @@ class Gateway:
         if not base_url:
             raise _unavailable(name, "its endpoint is starting")
         return Route(base_url.rstrip("/"), model_name, api_key, step)
+
+    def _pool_route(self, row: ModelRow, step: int) -> Route:
+        spec = ModelSpec(row.name, row.project, row.base_model, row.config)
+        dirs = self.backends.get(row.backend).backend
+        assert isinstance(dirs, CheckpointDirs)  # as every backend in POOLED
+        name = f"{row.name}@{step}"
+        return Route(
+            "", name, None, step, row.base_model, dirs.location(spec, step), spec, row.backend
+        )
+
+    async def _gone(self, route: Route, prefix: str) -> set[str]:
+        """The names `prefix` + step of the route's model whose steps storage lost."""
+        assert route.spec is not None and route.backend is not None
+        dirs = self.backends.get(route.backend).backend
+        assert isinstance(dirs, CheckpointDirs)  # as `_pool_route` checked
+        steps = await asyncio.to_thread(dirs.steps, route.spec)
+        loaded = {
+            int(n.removeprefix(prefix))
+            for held in self.pools.loaded.values()
+            for n in held
+            if n.startswith(prefix) and is_step(n.removeprefix(prefix))
+        }
+        return {f"{prefix}{step}" for step in loaded - set(steps)}
+
+    async def _forward_pool(self, route: Route, path: str, body: dict[str, Any]) -> Response:
+        """Serve from the route's pool: replicas by affinity, the adapter loaded on a miss,
+        an unreachable replica skipped."""
+        assert route.pool is not None and route.lora_path is not None
+        failures = []
+        for replica in self.pools.order(route.pool, route.model_name):
+            for attempt in range(2):
+                try:
+                    await self.pools.ensure(
+                        self.client,
+                        replica,
+                        route.model_name,
+                        route.lora_path,
+                        gone=functools.partial(self._gone, route),
+                    )
+                    response = await self.forward(replace(route, base_url=replica), path, body)
+                except PoolRefused as exc:
+                    status = exc.status if exc.status in (400, 404) else 502
+                    raise GatewayError(
+                        404 if status == 404 else status,
+                        f"The pool of `{route.pool}` cannot load `{route.model_name}`: "
+                        f"{exc.message}",
+                        "model_not_found" if status == 404 else "upstream_error",
+                        kind="invalid_request_error" if status < 500 else "server_error",
+                    ) from exc
+                except httpx.HTTPError as exc:  # its load: unreachable
+                    self.pools.dead(replica)
+                    failures.append(f"{replica}: {type(exc).__name__}: {exc}")
+                    break
+                except GatewayError as exc:
+                    if exc.code != "model_unavailable":
+                        raise
+                    self.pools.dead(replica)  # unreachable for the request itself
+                    failures.append(f"{replica}: {exc.message}")
+                    break
+                self.pools.alive(replica)
+                if response.status_code == 404 and attempt == 0:
+                    # The replica lost the adapter (it restarted): load it again, once.
+                    self.pools.forget(replica, route.model_name)
+                    continue
+                return response
+        raise _unavailable(route.model_name, "; ".join(failures) or "no replica")
 
     async def _step(
         self, session: AsyncSession, row: ModelRow, selector: str, requested: str
@@ -197,6 +276,8 @@ class Gateway:
     async def forward(self, route: Route, path: str, body: dict[str, Any]) -> Response:
         """POST `body` (its `model` replaced by the served name) to the route's endpoint;
         a streamed answer is relayed as it arrives."""
+        if route.pool is not None and not route.base_url:
+            return await self._forward_pool(route, path, body)
         headers = {"content-type": "application/json"}
         if route.api_key:
             headers["authorization"] = f"Bearer {route.api_key}"

@@ -252,6 +252,14 @@ class Settings(BaseSettings):
         "backend's endpoint answer 429 with `Retry-After` (runs and rollouts wait their turn). "
         "A model with nothing admitted takes any one request.",
     )
+    serving_pools: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description="Serving pools apart from the trainers, as JSON: a base model (as models "
+        "name it in `base_model`) to the base URLs of its replicas, e.g. "
+        '`{"/models/qwen": ["http://pool-a:8000/v1", "http://pool-b:8000/v1"]}`. The gateway '
+        "serves every step of a model on such a base from its pool (vLLM with runtime LoRA "
+        "updating, or `trainyard serve-pool`), loading each step's adapter as `name@N`.",
+    )
     serving_retry_after_seconds: int = Field(
         default=1, ge=1, le=3600, description="`Retry-After` of a 429 for a saturated model."
     )
@@ -428,6 +436,19 @@ class Settings(BaseSettings):
         if value is not None:
             parse_checkpoint_url(value)
         return value
+
+    @field_validator("serving_pools")
+    @classmethod
+    def _pools(cls, value: dict[str, list[str]]) -> dict[str, list[str]]:
+        for base, replicas in value.items():
+            if not base:
+                raise ValueError("a base model name is not empty")
+            if not replicas:
+                raise ValueError(f"the pool of {base!r} lists at least one replica URL")
+            for url in replicas:
+                if not url.startswith(("http://", "https://")):
+                    raise ValueError(f"{url!r} (pool of {base!r}) is an http:// or https:// URL")
+        return {base: [url.rstrip("/") for url in replicas] for base, replicas in value.items()}
 
     @field_validator("checkpoint_s3_endpoint")
     @classmethod

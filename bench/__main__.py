@@ -11,6 +11,7 @@ from bench import (
     cpu_step,
     fanout,
     ingest,
+    pool,
     queue,
     reads,
     runs,
@@ -33,6 +34,7 @@ def main() -> None:
     asyncio.run(runs.run())
     checkpoints.run()
     abandoned.run()
+    pool.run()
     asyncio.run(webhooks_fair.run())
 
 

@@ -9,6 +9,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -315,3 +316,31 @@ async def test_checkpoints_are_deleted_through_the_registry_and_a_lease_holds_a_
         await backend._delete_checkpoint_files(model, [3])
         assert await steps() == [3]
         await backend.close()
+
+
+def test_an_art_local_model_can_publish_to_an_external_vllm() -> None:
+    """openpipe-art 0.5.23's `vllm_runtime` (a vLLM someone else runs, such as a serving
+    pool) goes through an art-local model's config into ART's `_internal_config`."""
+    if not ART_0523.exists():
+        pytest.skip("`make .venv-art` builds openpipe-art 0.5.23's environment")
+    code = textwrap.dedent(
+        """
+        from app.backends import SPECS, validate_config
+        from app.backends.base import ModelSpec
+
+        runtime = {
+            "mode": "external",
+            "server_url": "http://pool-a:8000",
+            "local_checkpoint_root": "/data/art",
+            "server_checkpoint_root": "/mnt/art",
+        }
+        config = validate_config("art-local", {"vllm_runtime": runtime})
+        model = SPECS["art-local"].trainable_model(ModelSpec("m", "p", "b", {}), config)
+        assert model._internal_config["vllm_runtime"] == runtime, model._internal_config
+        print("passed through")
+        """
+    )
+    root = Path(__file__).parent.parent
+    done = _run(code, root, ART_0523, PYTHONPATH=f"{root}:{root / 'clients/python/src'}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().endswith("passed through")

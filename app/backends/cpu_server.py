@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import uvicorn
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -44,6 +44,7 @@ from app.backends.tool_calls import parse_tool_calls
 
 if TYPE_CHECKING:
     from app.backends.cpu import CpuBackend
+    from app.backends.lora_pool import AdapterPool
 
 
 MAX_TOKENS = 1024
@@ -166,6 +167,155 @@ def create_inference_app(backend: CpuBackend) -> FastAPI:
 
 
 DISCONNECT_POLL_S = 0.2
+
+
+class LoadLoRA(BaseModel):
+    """vLLM's `LoadLoRAAdapterRequest`."""
+
+    lora_name: str = Field(min_length=1, max_length=512)
+    lora_path: str = Field(min_length=1, max_length=4096)
+    load_inplace: bool = False
+
+
+class UnloadLoRA(BaseModel):
+    """vLLM's `UnloadLoRAAdapterRequest`."""
+
+    lora_name: str = Field(min_length=1, max_length=512)
+    lora_int_id: int | None = None
+
+
+def _vllm_error(status: int, message: str) -> JSONResponse:
+    """An error as vLLM's OpenAI server gives it (OpenAI's envelope, vLLM's types)."""
+    kind = {400: "BadRequestError", 404: "NotFoundError"}.get(status, "InternalServerError")
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "param": None, "code": status}},
+        status_code=status,
+    )
+
+
+def create_pool_app(pool: AdapterPool) -> FastAPI:
+    """A serving pool's endpoint (`trainyard serve-pool`): the base model and the adapters
+    loaded by vLLM's runtime protocol, each served by its `lora_name`."""
+    from fastapi.responses import PlainTextResponse
+
+    from app.backends.lora_pool import AdapterRefused
+
+    app = FastAPI(title="Trainyard serving pool")
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_request: Any, exc: HTTPException) -> JSONResponse:
+        return _vllm_error(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_request: Any, exc: RequestValidationError) -> JSONResponse:
+        problems = [
+            f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}"
+            for e in exc.errors()
+        ]
+        return _vllm_error(400, "; ".join(problems))
+
+    @app.get("/health")
+    def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    def models() -> dict[str, Any]:
+        base = {
+            "id": pool.base_model,
+            "object": "model",
+            "created": 0,
+            "owned_by": "trainyard",
+            "root": pool.base_model,
+            "parent": None,
+        }
+        adapters = [
+            {
+                "id": name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "trainyard",
+                "root": adapter.source,
+                "parent": pool.base_model,
+            }
+            for name, adapter in list(pool.adapters.items())
+        ]
+        return {"object": "list", "data": [base, *adapters]}
+
+    @app.post("/v1/load_lora_adapter", response_model=None)
+    async def load(request: LoadLoRA) -> PlainTextResponse | JSONResponse:
+        try:
+            await asyncio.to_thread(
+                pool.load, request.lora_name, request.lora_path, inplace=request.load_inplace
+            )
+        except AdapterRefused as exc:
+            return _vllm_error(exc.status, exc.message)
+        return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter", response_model=None)
+    async def unload(request: UnloadLoRA) -> PlainTextResponse | JSONResponse:
+        try:
+            pool.unload(request.lora_name)
+        except AdapterRefused as exc:
+            return _vllm_error(exc.status, exc.message)
+        return PlainTextResponse(
+            f"Success: LoRA adapter '{request.lora_name}' removed successfully."
+        )
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat(request: ChatRequest, http: Request) -> dict[str, Any] | JSONResponse:
+        if request.stream:
+            return _vllm_error(400, "This pool does not stream: send `stream: false`.")
+        try:
+            messages = normalize_messages(request.messages)
+            check_tools(request.tools)
+        except ChatInvalid as exc:
+            return _vllm_error(400, exc.message)
+        adapter = pool.adapters.get(request.model)
+        if adapter is None and request.model != pool.base_model:
+            return _vllm_error(404, f"The model `{request.model}` does not exist.")
+        try:
+            ticket = pool.admission.admit(pool.base_model, request.n * _max_tokens(request))
+        except Refused as exc:
+            return _saturated(str(exc), exc.retry_after)
+        abandoned = threading.Event()
+
+        def serve() -> dict[str, Any] | JSONResponse:
+            policy = pool.policy(adapter)
+            while not policy.lock.acquire(timeout=DISCONNECT_POLL_S):
+                if abandoned.is_set():
+                    raise Abandoned("the request was abandoned while it waited")
+            try:
+                ticket.start()
+                try:
+                    pool.ready(policy, adapter)
+                except AdapterRefused as exc:
+                    return _vllm_error(exc.status, exc.message)
+                return _complete(policy, request, messages, request.model, abandoned.is_set)
+            finally:
+                policy.lock.release()
+
+        work = asyncio.ensure_future(asyncio.to_thread(serve))
+        try:
+            while not (await asyncio.wait({work}, timeout=DISCONNECT_POLL_S))[0]:
+                if await http.is_disconnected():
+                    abandoned.set()
+                    break
+            return await work
+        except Abandoned:
+            ticket.abandon()
+            return _vllm_error(499, "The client closed the request.")
+        finally:
+            abandoned.set()
+            if work.done():
+                ticket.release()
+            else:
+                work.add_done_callback(lambda _: _settle(work, ticket))
+
+    @app.exception_handler(Exception)
+    async def _failed(_request: Any, exc: Exception) -> JSONResponse:
+        return _vllm_error(500, f"The pool failed: {type(exc).__name__}: {exc}"[:2000])
+
+    return app
 
 
 def _settle(work: asyncio.Future[Any], ticket: Ticket) -> None:
