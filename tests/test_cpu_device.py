@@ -57,3 +57,30 @@ def test_a_policy_samples_and_trains_on_the_device_it_was_given(tmp_path: Path) 
         [turn], learning_rate=0.01, epsilon=0.2, kl_penalty_coef=0.0, max_grad_norm=1.0
     )
     assert metrics["loss/grad_norm"] > 0
+
+
+@pytest.mark.slow
+def test_the_gpu_smoke_script_runs_end_to_end_on_the_cpu() -> None:
+    """scripts/gpu_smoke.py with the tiny shape: a real `trainyard serve`, the gateway,
+    training jobs, the bare step; its report adds up."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "TRAINYARD_CPU_DEVICE": "cpu"}
+    done = subprocess.run(
+        [sys.executable, "scripts/gpu_smoke.py", "--shape", "tiny", "--steps", "2"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout[done.stdout.index("{") :])
+    assert report["device"] == "cpu" and report["shape"] == "tiny"
+    assert report["current_step"] == 3 and report["sampled_after"] == "smoke@3"  # 1 + 2 steps
+    assert report["step_wall_s"] > 0 and report["bare_step_s"] > 0
+    assert report["sample_tokens_per_s"] > 0 and report["params_m"] > 0

@@ -47,6 +47,9 @@ ENTRIES = {
     "python -m bench": "import bench.__main__",
     "tests": "import tests.backends",
     "scripts/gpu_smoke.py": "import runpy; runpy.run_path('scripts/gpu_smoke.py', run_name='x')",
+    "scripts/art_local_smoke.py": (
+        "import runpy; runpy.run_path('scripts/art_local_smoke.py', run_name='x')"
+    ),
 }
 
 
