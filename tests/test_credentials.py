@@ -208,7 +208,10 @@ async def test_without_a_key_arts_openai_client_gets_a_stand_in_an_open_server_t
     for keys in ("", KEY):
         async with serve(api_keys=keys) if keys else serve() as live:
             backend = TrainyardBackend(live.url)
-            model = art.TrainableModel(name="m", project="p", base_model="b")
+            names = {"name": "m", "project": "p", "base_model": "b"}
+            if "run_name" in art.TrainableModel.model_fields:  # 0.5.23 asks for one
+                names["run_name"] = "r"
+            model = art.TrainableModel(**names)
             base_url, key = await backend._prepare_backend_for_training(model, None)
             assert (base_url, key) == (f"{live.url}/openai/v1", NO_KEY)
             client = openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0)
