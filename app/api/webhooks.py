@@ -32,8 +32,9 @@ def _checked(body: Body, raw: bytes, settings: Settings) -> Body:
 CREATING = Reading(WebhookEndpointCreate, _checked)
 UPDATING = Reading(WebhookEndpointUpdate, _checked)
 
-IF_MATCH = r'^(W/)?"?[1-9][0-9]{0,9}"?$'
-"""`If-Match` of a rotation: a `secret_version`, bare or as an entity tag."""
+IF_MATCH = r'^(W/)?"?[1-9][0-9]{0,8}"?$'
+"""`If-Match` of a rotation: a `secret_version`, bare or as an entity tag (below 10^9: a
+version the column can hold)."""
 
 router = APIRouter(prefix="/v1/webhooks", tags=["webhooks"], responses=problem_responses(401))
 EndpointId = JobId
