@@ -19,7 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 from app.db import write_connection
 from app.jobs.events import append_event
 from app.jobs.lifecycle import RunWrite
-from app.jobs.statements import jobs
+from app.jobs.statements import jobs, models
 from app.jobs.store import cancel_job_now, enqueue
 from app.models import RunMetricRow, RunRow
 
@@ -106,7 +106,5 @@ def _columns(write: RunWrite) -> dict[str, Any]:
 
 async def model_step(conn: AsyncConnection, model: str) -> int:
     """The model's step as recorded: where a run that starts now starts from."""
-    from app.jobs.statements import models
-
     step = await conn.scalar(select(models.c.current_step).where(models.c.name == model))
     return int(step or 0)
