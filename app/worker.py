@@ -201,13 +201,16 @@ class Worker:
             log.exception("job %s: processing failed", lease.job_id)
         finally:
             self.tasks.pop(lease.job_id, None)
-        # A run's child ended: move its run on and start its next child now, rather than
-        # at the loop's next turn (the loop would, a wake-up later).
+        # A run's child ended: start its next child now, rather than at the loop's next
+        # turn (the loop would, a wake-up later). A rollout child has queued its training
+        # job itself: claim that first; then move the run on (which may queue the next
+        # child) and claim again if it moved.
         run_id = run_of(lease.job_id)
         if run_id is not None and not self._stopping.is_set():
             try:
-                await self.runs.advance(run_id)
                 await self.fill()
+                if await self.runs.advance(run_id):
+                    await self.fill()
             except Exception as exc:
                 if is_unavailable(exc):  # busy or restarting: the loop's next turn does it
                     log.warning("run %s: not advanced after %s: %s", run_id, lease.job_id, exc)
