@@ -235,7 +235,9 @@ class TrainerAdapter:
         step the backend is at afterwards is the job's."""
         model = await self.model(spec)
         try:
-            config = _sft_config(SftHyperparameters.model_validate(hyperparameters))
+            hp = SftHyperparameters.model_validate(hyperparameters)
+            # Our own backends take every keyword; ART's, its `TrainSFTConfig`.
+            config: Any = hp if isinstance(self.backend, CheckpointDirs) else _sft_config(hp)
         except ValueError as exc:
             raise classify(exc) from exc
         samples: list[dict[str, float]] = []

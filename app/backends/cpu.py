@@ -265,10 +265,11 @@ class CpuBackend(CheckpointDirs):
     ) -> AsyncIterator[dict[str, float]]:
         """ART's supervised entry point: cross-entropy on the assistant turns of each chat,
         `config.batch_size` chats a gradient step, one new step (checkpoint) at the end.
-        Yields each gradient step's metrics as it is taken."""
+        Yields each gradient step's metrics as it is taken. `config`: ART's
+        `TrainSFTConfig`, or the job's `SftHyperparameters`."""
         hp = SftHyperparameters(
             learning_rate=config.learning_rate,
-            batch_size=None if config.batch_size == "auto" else config.batch_size,
+            batch_size=None if config.batch_size in (None, "auto") else config.batch_size,
             assistant_turns=getattr(config, "assistant_turns", "all"),
         )
         _, policy = self._policies[model.name]

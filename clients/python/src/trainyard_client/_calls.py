@@ -316,9 +316,17 @@ def training_jobs_create(
     policy_step: int | None = None,
     max_steps_off_policy: int | None = None,
     idempotency_key: str | None = None,
+    method: str | None = None,
+    examples: Sequence[Mapping[str, Any]] | None = None,
+    dataset: Mapping[str, Any] | None = None,
+    pairs: Sequence[Mapping[str, Any]] | None = None,
 ) -> Call[m.TrainingJob]:
     body = _body(
         model=model,
+        method=method,
+        examples=list(examples) if examples is not None else None,
+        dataset=dataset,
+        pairs=list(pairs) if pairs is not None else None,
         collection=collection,
         groups=list(groups) if groups is not None else None,
         hyperparameters=hyperparameters,
