@@ -275,6 +275,8 @@ async def test_bad_sft_and_dpo_bodies_name_each_field_and_store_nothing(serve, t
                 "hyperparameters": {"beta": -1},
             }
         ) == ["hyperparameters.beta"]
+        many = [pair] * 10_001  # one job is one step: at most 10,000 pairs
+        assert await refused({"model": "cpu-model", "method": "dpo", "pairs": many}) == ["pairs"]
         collection = nat_dpo_collection()
         collection["trajectories"][0][3]["episode"][0]["rejected_response"] = "yes"
         assert await refused({"model": "cpu-model", "method": "dpo", "collection": collection}) == [
@@ -292,3 +294,31 @@ async def test_bad_sft_and_dpo_bodies_name_each_field_and_store_nothing(serve, t
     assert set(backends["cpu"]["methods"]) == {"sft", "dpo"}
     assert "beta" in backends["cpu"]["methods"]["dpo"]["properties"]
     assert set(backends["art-local"]["methods"]) == {"sft"}
+
+
+def test_sft_trains_on_assistant_turns_only_all_or_the_last(policy) -> None:
+    """Each assistant turn is a target after the context it answers; with
+    `assistant_turns=last`, the last one only. Nothing else is a target."""
+    import art
+
+    chat_ = art.Trajectory(
+        messages_and_choices=[
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": "weather"},
+            {"role": "assistant", "content": "sunny today"},
+        ]
+    )
+    first, second = policy.sft_turns(chat_)
+    eos = policy.eos_id
+    assert first.completion_ids == [
+        *policy.tokenizer("hello", add_special_tokens=False)["input_ids"],
+        eos,
+    ]
+    assert second.completion_ids[-1] == eos and len(second.completion_ids) == 3
+    # The second target's prompt is the whole chat before it, its first answer included.
+    context = chat_.messages_and_choices[:4]
+    assert second.prompt_ids == policy.encode_prompt(context)
+    (last,) = policy.sft_turns(chat_, "last")
+    assert last == second

@@ -25,6 +25,9 @@ METHODS: tuple[str, ...] = ("rl", "sft", "dpo")
 """What a training job does: `rl` (trajectory groups and rewards, the default), `sft`
 (supervised: chat examples), `dpo` (preference pairs)."""
 
+MAX_EXAMPLES = 10_000
+"""Examples (or pairs) one SFT (or DPO) job trains on: one model step."""
+
 Messages = Annotated[list[dict[str, Any]], AfterValidator(plain_json)]
 
 
@@ -98,7 +101,10 @@ class SftJobCreate(BaseModel):
     model: str = Field(pattern=NO_NUL, description="Name of a registered model.")
     method: Literal["sft"] = Field(description="`sft`: supervised fine-tuning.")
     examples: list[SftExample] | None = Field(
-        default=None, min_length=1, description="Inline chat examples."
+        default=None,
+        min_length=1,
+        max_length=MAX_EXAMPLES,
+        description=f"Inline chat examples (at most {MAX_EXAMPLES}).",
     )
     dataset: DatasetSource | None = Field(
         default=None,
@@ -200,7 +206,12 @@ class DpoJobCreate(BaseModel):
 
     model: str = Field(pattern=NO_NUL, description="Name of a registered model.")
     method: Literal["dpo"] = Field(description="`dpo`: direct preference optimisation.")
-    pairs: list[PreferencePair] | None = Field(default=None, min_length=1)
+    pairs: list[PreferencePair] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=MAX_EXAMPLES,
+        description=f"Preference pairs (at most {MAX_EXAMPLES}).",
+    )
     collection: NatDpoCollection | None = Field(
         default=None,
         description="A NeMo Agent Toolkit `TrajectoryCollection` of DPO items, as NAT's DPO "

@@ -33,6 +33,7 @@ from app.schemas.jobs import (
 )
 from app.schemas.pieces import validate_item
 from app.schemas.supervised import (
+    MAX_EXAMPLES,
     DatasetSource,
     DpoJobCreate,
     DpoSummary,
@@ -181,6 +182,12 @@ async def _dataset_examples(
         known = ", ".join(sorted(splits))
         message = f"dataset {source.id} has no examples in split {source.split!r} (it has: {known})"
         return None, None, [_error(("dataset", "split"), message, "unknown_split")]
+    if len(lines) > MAX_EXAMPLES:
+        message = (
+            f"split {source.split!r} holds {len(lines)} examples; an SFT job trains on at "
+            f"most {MAX_EXAMPLES} (one model step)"
+        )
+        return None, None, [_error(("dataset", "split"), message, "too_long")]
     examples, errors = [], []
     for line in lines:
         try:
