@@ -72,6 +72,7 @@ def hyperparameters_of(
     *,
     loc: tuple[str, ...] = ("hyperparameters",),
     method: str = "rl",
+    method_loc: tuple[str, ...] = ("method",),
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The backend's hyper-parameters for `method`, validated once and normalized (only
     those set), or the errors at `loc` (at `method` when the backend does not train so)."""
@@ -82,7 +83,7 @@ def hyperparameters_of(
         reason = SPECS[backend].refusals.get(method)
         return {}, [
             {
-                "loc": ("method",),
+                "loc": method_loc,
                 "msg": f"{message}; {reason}" if reason else message,
                 "type": "unsupported_method",
             }

@@ -554,9 +554,12 @@ class Runs(_Followed[m.Run]):
         max_steps_off_policy: int | None = None,
         metadata: Mapping[str, Any] | None = None,
         idempotency_key: str | None = None,
+        warmup: Mapping[str, Any] | None = None,
     ) -> m.Run:
-        """Start a run on `dataset` (`{"id": ...}`) or inline `examples`. Sent with an
-        Idempotency-Key, as a training-job submit is: a retry never starts a second run."""
+        """Start a run on `dataset` (`{"id": ...}`) or inline `examples`; `warmup`
+        (`{"examples": [chats], "hyperparameters": {...}}`): an SFT step before RL. Sent
+        with an Idempotency-Key, as a training-job submit is: a retry never starts a
+        second run."""
         return await self._send(
             calls.runs_create(
                 model=model,
@@ -573,6 +576,7 @@ class Runs(_Followed[m.Run]):
                 max_steps_off_policy=max_steps_off_policy,
                 metadata=metadata,
                 idempotency_key=idempotency_key,
+                warmup=warmup,
             )
         )
 

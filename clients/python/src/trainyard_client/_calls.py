@@ -386,6 +386,7 @@ def runs_create(
     max_steps_off_policy: int | None = None,
     metadata: Mapping[str, Any] | None = None,
     idempotency_key: str | None = None,
+    warmup: Mapping[str, Any] | None = None,
 ) -> Call[m.Run]:
     body = _body(
         model=model,
@@ -401,6 +402,7 @@ def runs_create(
         curriculum=curriculum,
         max_steps_off_policy=max_steps_off_policy,
         metadata=metadata,
+        warmup=warmup,
     )
     key = idempotency_key if idempotency_key is not None else new_idempotency_key()
     call = _call("runs-create", _json(m.Run))
