@@ -274,7 +274,7 @@ class RunProgress(BaseModel):
     epoch: int = Field(description="The epoch under way (1-based; 0 before the first).")
     epochs: int | None
     percent: float
-    phase: Literal["queued", "rollout", "training", "validation", "paused", "done"]
+    phase: Literal["queued", "warmup", "rollout", "training", "validation", "paused", "done"]
     eta_seconds: float | None = Field(description="Estimated time left, from the steps so far.")
 
 

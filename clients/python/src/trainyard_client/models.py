@@ -289,7 +289,7 @@ class RunProgress(_Wire):
     epoch: int
     epochs: int | None
     percent: float
-    phase: str  # queued, rollout, training, validation, paused, done
+    phase: str  # queued, warmup, rollout, training, validation, paused, done
     eta_seconds: float | None
 
 
