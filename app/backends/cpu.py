@@ -370,8 +370,13 @@ async def _streamed(work: Callable[..., None], *args: Any) -> AsyncIterator[dict
     def emit(metrics: dict[str, float]) -> None:
         loop.call_soon_threadsafe(queue.put_nowait, metrics)
 
+    def finished(future: asyncio.Future[None]) -> None:
+        if not future.cancelled():
+            future.exception()  # raised below; retrieved here if nobody waits any more
+        queue.put_nowait(None)
+
     running = asyncio.ensure_future(asyncio.to_thread(work, *args, emit))
-    running.add_done_callback(lambda _: queue.put_nowait(None))
+    running.add_done_callback(finished)
     while (metrics := await queue.get()) is not None:
         yield metrics
     await running
