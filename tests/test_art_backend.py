@@ -344,3 +344,82 @@ def test_an_art_local_model_can_publish_to_an_external_vllm() -> None:
     done = _run(code, root, ART_0523, PYTHONPATH=f"{root}:{root / 'clients/python/src'}")
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().endswith("passed through")
+
+
+async def test_an_art_programs_train_sft_runs_as_a_trainyard_sft_job(
+    serve: Callable[..., LiveServer], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`model.train_sft`, ART's supervised entry point, unchanged: one SFT job whose
+    gradient steps ART reads as its backend's metrics; the model's step advances."""
+    monkeypatch.chdir(tmp_path)  # ART logs the step's metrics under ./.art
+    async with serve(worker_enabled=True, demo_model=True, api_keys=KEY) as live:
+        live.client.headers["Authorization"] = f"Bearer {KEY}"
+        backend, model = await _registered(live, "art-sft", metadata={"phase": "sft"})
+        chats = [
+            art.Trajectory(
+                messages_and_choices=[
+                    {"role": "user", "content": f"what is the weather {word}"},
+                    {"role": "assistant", "content": "sunny"},
+                ],
+            )
+            for word in ("today", "one", "two", "three", "four")
+        ]
+        config = art.TrainSFTConfig(learning_rate=0.02, batch_size=2)
+        await model.train_sft(chats, config)
+        assert await model.get_step() == 1
+        # What ART's loop reads from the backend: each gradient step's metrics, live.
+        seen = [m async for m in backend._train_sft(model, chats[:2], config, {})]
+        assert len(seen) == 1 and seen[0]["loss/train"] > 0
+        jobs = (await live.client.get("/v1/training-jobs?model=art-sft")).json()["data"]
+        with pytest.raises(ValueError, match="one learning_rate per job"):
+            per_batch = art.TrainSFTConfig(learning_rate=[0.01, 0.02])
+            await model.train_sft(chats, per_batch)
+        await backend.close()
+    assert [j["method"] for j in jobs] == ["sft", "sft"]
+    first = jobs[-1]
+    assert first["status"] == "succeeded" and first["result"]["final_step"] == 1
+    assert first["summary"]["num_examples"] == 5
+    assert first["hyperparameters"] == {"learning_rate": 0.02, "batch_size": 2}
+    assert first["metadata"] == {"phase": "sft"}
+    assert first["progress"]["total"] == 3  # five chats, two a gradient step
+    assert jobs[0]["result"]["final_step"] == 2
+
+
+SFT_PROGRAM = """
+import asyncio, art
+from trainyard_client.art_backend import TrainyardBackend
+
+async def main():
+    backend = TrainyardBackend("{url}", trainer="cpu")
+    model = art.TrainableModel(name="sft-0523", project="p", run_name="sft-0523",
+                               base_model="{base}")
+    await model.register(backend)
+    chats = [art.Trajectory(messages_and_choices=[
+        {{"role": "user", "content": "what is the weather " + w}},
+        {{"role": "assistant", "content": "sunny"}}]) for w in ("one", "two", "three")]
+    await model.train_sft(chats, art.TrainSFTConfig(learning_rate=0.02, assistant_turns="last"))
+    print("step", await model.get_step())
+    await backend.close()
+
+asyncio.run(main())
+"""
+
+
+async def test_train_sft_on_openpipe_art_0523(
+    serve: Callable[..., LiveServer], tmp_path: Path
+) -> None:
+    """The same entry point on openpipe-art 0.5.23 (Python 3.12), which adds
+    `assistant_turns` to `TrainSFTConfig` and logs each gradient step's metrics."""
+    python = INTERPRETERS["openpipe-art 0.5.23"]
+    if not python.exists():
+        if os.environ.get("CI"):
+            raise AssertionError(f"{python} is missing: CI builds it (make .venv-art)")
+        pytest.skip(f"{python} is missing: make .venv-art builds it")
+    async with serve(worker_enabled=True, demo_model=True) as live:
+        code = SFT_PROGRAM.format(url=live.url, base=await _base_model(live.url))
+        ran = await asyncio.to_thread(_run, code, tmp_path, python)
+        assert ran.returncode == 0, f"{ran.stdout}\n{ran.stderr}"
+        (job,) = (await live.client.get("/v1/training-jobs?model=sft-0523")).json()["data"]
+    assert ran.stdout.splitlines()[-1] == "step 1"
+    assert job["method"] == "sft" and job["status"] == "succeeded"
+    assert job["hyperparameters"] == {"learning_rate": 0.02, "assistant_turns": "last"}

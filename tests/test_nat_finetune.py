@@ -203,3 +203,22 @@ def test_nat_finetune_trains_the_demo_model_one_step_per_epoch(tmp_path: Path) -
         ]
     finally:
         server.stop()
+
+
+@pytest.mark.torch  # the `demo` model trains DPO on the cpu backend
+async def test_the_adapter_trains_nats_dpo_items_as_a_dpo_job(
+    serve: Callable[..., LiveServer], tmp_path: Path
+) -> None:
+    nat = nat_or_skip()
+    python = nat.parent / "python"
+    script = DATA / "adapter_dpo.py"
+    async with serve(worker_enabled=True, demo_model=True) as live:
+        ran = await asyncio.to_thread(
+            subprocess.run,
+            [str(python), str(script), live.url, str(tmp_path / "out")],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+    assert ran.returncode == 0 and ran.stdout.strip() == "ok", ran.stdout + ran.stderr

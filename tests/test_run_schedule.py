@@ -194,3 +194,26 @@ def test_pause_holds_and_cancel_cancels_the_child_under_way() -> None:
     gone = {child_id(RUN, "rollout", 1): child("rollout", 1, status="cancelled")}
     over = decide(p, RUN, started.state, gone, paused=False, cancel_requested=True)
     assert over.status is JobStatus.cancelled and over.state.stop_reason == "cancelled"
+
+
+def test_a_warm_up_comes_first_and_a_failed_one_fails_the_run() -> None:
+    """`warmup`: the run waits on its SFT child (`…-w000000`) before the baseline
+    validation; a warm-up that fails ends the run failed, naming it."""
+    p = plan(warmup=True, validate_every=2)
+    state = initial_state(p)
+    assert state.phase == "warmup"
+    first = decide(p, RUN, state, {}, paused=False, cancel_requested=False)
+    (create,) = first.create
+    assert (create.role, create.step) == ("warmup", 0)
+    warmup_id = child_id(RUN, "warmup", 0)
+    assert warmup_id.endswith("-w000000") and run_of(warmup_id) == RUN
+    assert first.state.waiting == ("warmup", 0)
+    done = child("warmup", 0, final_step=1, start_step=0, metrics={"loss/train": 0.7})
+    after = decide(p, RUN, first.state, {warmup_id: done}, paused=False, cancel_requested=False)
+    assert [c.role for c in after.create] == ["validation"]  # the baseline, of the new step
+    (event,) = after.events
+    assert event[1]["warmup"] == warmup_id and event[1]["loss"] == 0.7
+    failed = child("warmup", 0, status="failed", error={"type": "X", "message": "boom"})
+    ended = decide(p, RUN, first.state, {warmup_id: failed}, paused=False, cancel_requested=False)
+    assert ended.status == JobStatus.failed and ended.error is not None
+    assert "warmup job" in ended.error["message"] and "boom" in ended.error["message"]

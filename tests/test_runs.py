@@ -90,6 +90,14 @@ async def all_metrics(client: httpx.AsyncClient, run_id: str) -> list[dict[str, 
         after = int(page["next_cursor"])
 
 
+SEVEN = {
+    "messages": [
+        {"role": "user", "content": "say a number"},
+        {"role": "assistant", "content": "7"},
+    ]
+}
+
+
 def run_body(dataset: str, **changes: Any) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": "demo",
@@ -211,6 +219,14 @@ async def test_an_upload_is_jsonl_and_the_same_bytes_are_stored_once(live) -> No
         ),
         ({"early_stopping": {"patience": 2}, "validation": None}, ""),
         ({"max_steps_off_policy": 2}, "max_steps_off_policy"),
+        (
+            {"warmup": {"examples": [{"messages": [{"role": "user", "content": "x"}]}]}},
+            "warmup.examples[0]",
+        ),
+        (
+            {"warmup": {"examples": [SEVEN], "hyperparameters": {"beta": 0.1}}},
+            "warmup.hyperparameters.beta",
+        ),
     ],
 )
 async def test_bad_runs_are_422_with_paths_and_store_nothing(serve, change, path) -> None:
@@ -412,3 +428,51 @@ async def test_a_run_whose_state_an_earlier_version_wrote_finishes(serve) -> Non
     assert final["status"] == "succeeded" and final["progress"]["step"] == 4
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     assert (json.loads(raw) if isinstance(raw, str) else raw)["format"] == 2
+
+
+async def test_an_sft_warm_up_runs_before_the_first_validation_and_rollout(serve) -> None:
+    """A run's `warmup`: one SFT step (a training job of the run, `run_role: warmup`) on
+    chats answering the toy task, before the baseline validation, which then samples the
+    warmed-up step and scores above the untrained model's ~0.1."""
+    async with serve() as live:
+        client = live.client
+        await served(client)
+        dataset = await upload(client, toy_lines())
+        warmup = {
+            "examples": [
+                {
+                    "messages": [
+                        {"role": "user", "content": f"say a number {i}"},
+                        {"role": "assistant", "content": "7"},
+                    ]
+                }
+                for i in range(8)
+            ],
+            "hyperparameters": {"learning_rate": 0.05, "batch_size": 4},
+        }
+        body = run_body(
+            dataset["id"],
+            warmup=warmup,
+            schedule={"max_steps": 1, "examples_per_step": 4},
+            validation={"every_steps": 1, "num_generations": 16},
+        )
+        response = await client.post("/v1/runs", json=body)
+        assert response.status_code == 202, response.text
+        run = await wait_run(client, response.json()["id"])
+        metrics = await all_metrics(client, run["id"])
+        events = (await client.get(f"/v1/runs/{run['id']}/events?limit=1000")).json()["data"]
+        job_id = "job_" + run["id"].removeprefix("run_") + "-w000000"
+        job = (await client.get(f"/v1/training-jobs/{job_id}")).json()
+
+    assert run["status"] == "succeeded", run
+    assert job["method"] == "sft" and job["status"] == "succeeded", job
+    assert job["metadata"] == {"run": run["id"], "run_step": 0, "run_role": "warmup"}
+    assert job["summary"]["num_examples"] == 8 and job["progress"]["total"] == 2
+    assert job["hyperparameters"] == {"learning_rate": 0.05, "batch_size": 4}
+    steps = [e["data"] for e in events if e["type"] == "run_step"]
+    assert steps[0]["warmup"] == job_id and steps[0]["step"] == 0
+    assert steps[0]["loss"] > 0
+    validations = [m for m in metrics if m["kind"] == "validation"]
+    # The baseline validates the warmed-up step (the warm-up made step 1 of the model).
+    assert validations[0]["step"] == job["result"]["final_step"]
+    assert validations[0]["data"]["score"] >= 0.5, validations

@@ -353,7 +353,9 @@ def seed(client: httpx.Client, data_dir: Path) -> Seeded:
         ("/v1/runs", "demo"),
     ]:
         ref = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]
-        name = ref["schema"]["$ref"].rsplit("/", 1)[-1]
+        # A body of several shapes (a training job's, by `method`): its first, the default.
+        schema = ref["schema"]["oneOf"][0] if "oneOf" in ref["schema"] else ref["schema"]
+        name = schema["$ref"].rsplit("/", 1)[-1]
         [example] = document["components"]["schemas"][name]["examples"]
         response = client.post(path, json=example | ({"model": suits} if suits else {}))
         assert response.status_code in (201, 202), f"{path}: {response.text}"

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import email.message
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
 from fastapi import Request
@@ -55,18 +55,16 @@ BODY_MODELS: list[type[BaseModel]] = []
 """Models documented as request bodies (`json_body`); `app.main` adds their schemas."""
 
 
-def json_body(model: type[BaseModel]) -> dict[str, Any]:
-    """A route's `openapi_extra`: `model` as its required JSON body, as FastAPI writes it."""
-    if model not in BODY_MODELS:
-        BODY_MODELS.append(model)
-    return {
-        "requestBody": {
-            "required": True,
-            "content": {
-                "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}
-            },
-        }
-    }
+def json_body(*models: type[BaseModel]) -> dict[str, Any]:
+    """A route's `openapi_extra`: `model` as its required JSON body, as FastAPI writes it;
+    several models: one of them (a body that `Reading.variants` tells apart)."""
+    refs = []
+    for model in models:
+        if model not in BODY_MODELS:
+            BODY_MODELS.append(model)
+        refs.append({"$ref": f"#/components/schemas/{model.__name__}"})
+    schema = refs[0] if len(refs) == 1 else {"oneOf": refs}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
 class Stream(Protocol[M_in, R_out]):
@@ -94,6 +92,13 @@ class Reading(Generic[M, R]):
     pieces: Sequence[Piece] = ()
     limits: Callable[[Any, Settings], list[FieldError]] | None = None
     stream: Callable[[Settings], Stream[M, R]] | None = None
+    variants: Mapping[str, Reading[Any, R]] = field(default_factory=dict)
+    """Other shapes of the body, by the value of its `key` field (a training job's
+    `method`): a body whose `key` names one is read as that one says; any other value is
+    refused at `key`, naming those accepted. A body without `key` is read as this one."""
+    key: str = "method"
+    default: str = ""
+    """The value of `key` this reading stands for (listed among the accepted ones)."""
 
 
 async def read_json(request: Request, reading: Reading[M, R]) -> R:
@@ -190,6 +195,10 @@ def _read_into(
         refused.document = None
         return _invalid([_text_error(e) for e in refused.errors])
     trash.append(data)
+    chosen = _variant(reading, data)
+    if isinstance(chosen, FieldError):
+        return _invalid([chosen])
+    reading = chosen
     if reading.limits is not None:
         over = reading.limits(data, settings)
         if over:
@@ -228,6 +237,24 @@ def _read_streamed(
         return None
     trash.append(body)
     return stream.finish(body, raw)
+
+
+def _variant(reading: Reading[M, R], data: Any) -> Reading[Any, R] | FieldError:
+    """The reading the body's `key` names (`Reading.variants`), or the error at `key`."""
+    if not reading.variants or not isinstance(data, dict) or reading.key not in data:
+        return reading
+    value = data[reading.key]
+    if value == reading.default:
+        return reading
+    if isinstance(value, str) and value in reading.variants:
+        return reading.variants[value]
+    accepted = ", ".join(f"`{v}`" for v in (reading.default, *reading.variants))
+    return FieldError(
+        location="body",
+        path=reading.key,
+        message=f"must be one of {accepted}",
+        type="literal_error",
+    )
 
 
 def _invalid(errors: list[FieldError], *, more: bool = False) -> InvalidInputError:

@@ -96,6 +96,11 @@ class Backend(BaseModel):
     description: str
     hyperparameters: dict[str, Any] = Field(description="JSON Schema of the accepted keywords.")
     config: dict[str, Any] = Field(description="JSON Schema of a model's `config`.")
+    methods: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="The training methods it offers beside `rl` (`sft`, `dpo`): JSON Schema "
+        "of each one's keywords (a training job's `hyperparameters` with that `method`).",
+    )
 
 
 @backends_router.get("", name="list", response_model=list[Backend], summary="List trainer backends")
@@ -106,6 +111,7 @@ async def list_backends() -> list[Backend]:
             description=s.description,
             hyperparameters=s.hyperparameters.model_json_schema(),
             config=s.config.model_json_schema(),
+            methods={m: hp.model_json_schema() for m, hp in s.other_methods.items()},
         )
         for s in SPECS.values()
     ]

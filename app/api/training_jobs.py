@@ -20,6 +20,7 @@ from app.schemas.jobs import (
     TrainingTrajectories,
     TrajectoryShape,
 )
+from app.schemas.supervised import DpoJobCreate, SftJobCreate
 from app.schemas.trajectories import TrajectoryCollection
 from app.training import service
 
@@ -30,7 +31,16 @@ router = APIRouter(
 
 TRAINING = JobKind.training
 READING = Reading(
-    TrainingJobCreate, service.prepare, TRAINING_PIECES, service.limits, service.StreamedGroups
+    TrainingJobCreate,
+    service.prepare,
+    TRAINING_PIECES,
+    service.limits,
+    service.StreamedGroups,
+    variants={
+        "sft": Reading(SftJobCreate, service.prepare_sft),
+        "dpo": Reading(DpoJobCreate, service.prepare_dpo),
+    },
+    default="rl",
 )
 
 
@@ -38,9 +48,13 @@ READING = Reading(
     "",
     response_model=TrainingJob,
     status_code=202,
-    summary="Submit trajectories for one training step",
+    summary="Submit one training step: RL trajectories, SFT examples or DPO pairs",
+    description="The body's `method` picks its shape: `rl` (the default: trajectory groups "
+    "or a NAT collection, `TrainingJobCreate`), `sft` (chat examples, inline or from a "
+    "dataset split, `SftJobCreate`) or `dpo` (preference pairs, plain or NAT's DPO items, "
+    "`DpoJobCreate`). Each is one model step, watched and ended like any other.",
     responses=problem_responses(404, 409, 413, 422),
-    openapi_extra=json_body(TrainingJobCreate),
+    openapi_extra=json_body(TrainingJobCreate, SftJobCreate, DpoJobCreate),
 )
 async def create(
     request: Request,
@@ -125,7 +139,7 @@ async def cancel(job_id: JobId, request: Request, session: Session) -> TrainingJ
     description="As stored: ART-style groups (a NAT collection was converted on arrival). "
     "`shape=nat` returns them as a NeMo Agent Toolkit `TrajectoryCollection` whose "
     "`run_id` is the job's id.",
-    responses=problem_responses(404, 422),
+    responses=problem_responses(404, 409, 422),
 )
 async def trajectories(
     job_id: JobId,

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
@@ -11,9 +11,13 @@ from pydantic import BaseModel, ValidationError
 from app.backends import art_backends
 from app.backends.admission import Admission
 from app.backends.base import BackendError, ModelSpec, TrainerAdapter, trainable_model
-from app.backends.cpu import CpuBackend, CpuConfig, CpuHyperparameters
+from app.backends.cpu import CpuBackend, CpuConfig, CpuDpoHyperparameters, CpuHyperparameters
 from app.backends.dry_run import DryRunBackend, DryRunConfig
-from app.backends.hyperparameters import ArtLocalHyperparameters, ArtServerlessHyperparameters
+from app.backends.hyperparameters import (
+    ArtLocalHyperparameters,
+    ArtServerlessHyperparameters,
+    SftHyperparameters,
+)
 from app.backends.storage import Storage
 from app.settings import Settings
 
@@ -35,6 +39,17 @@ class BackendSpec:
     unavailable: Callable[[], str | None] = lambda: None
     """Why this process cannot run the backend (None: it can), checked without building
     it; a worker not told its backends runs those it can."""
+    other_methods: Mapping[str, type[BaseModel]] = field(default_factory=dict)
+    """The training methods it offers beside `rl` (`sft`, `dpo`), with their keywords."""
+    refusals: Mapping[str, str] = field(default_factory=dict)
+    """Why it does not offer a method, where there is more to say than that it does not."""
+
+    def method_hyperparameters(self, method: str) -> type[BaseModel] | None:
+        """The keywords a job of `method` takes; None: the backend does not train so."""
+        return self.hyperparameters if method == "rl" else self.other_methods.get(method)
+
+    def methods(self) -> list[str]:
+        return ["rl", *self.other_methods]
 
 
 def _dry_run(settings: Settings) -> DryRunBackend:
@@ -59,6 +74,11 @@ def _model_with_config(spec: ModelSpec, config: BaseModel) -> art.TrainableModel
     return trainable_model(spec, config=config)
 
 
+_NO_WEIGHTS = "a dry run has no weights to fit"
+_NO_ART_DPO = (
+    "ART (0.5.18, 0.5.23) has no preference-optimisation path: train DPO on the cpu backend"
+)
+
 SPECS: dict[str, BackendSpec] = {
     "dry-run": BackendSpec(
         name="dry-run",
@@ -68,6 +88,7 @@ SPECS: dict[str, BackendSpec] = {
         config=DryRunConfig,
         create=lambda settings: _dry_run(settings),
         trainable_model=_model_with_config,
+        refusals={"sft": _NO_WEIGHTS, "dpo": _NO_WEIGHTS},
     ),
     "cpu": BackendSpec(
         name="cpu",
@@ -78,6 +99,7 @@ SPECS: dict[str, BackendSpec] = {
         create=lambda settings: _cpu(settings),
         trainable_model=_model_with_config,
         serves=True,
+        other_methods={"sft": SftHyperparameters, "dpo": CpuDpoHyperparameters},
     ),
     "art-local": BackendSpec(
         name="art-local",
@@ -89,6 +111,8 @@ SPECS: dict[str, BackendSpec] = {
         trainable_model=art_backends.local_model,
         serves=True,
         unavailable=art_backends.local_unavailable,
+        other_methods={"sft": SftHyperparameters},
+        refusals={"dpo": _NO_ART_DPO},
     ),
     "art-serverless": BackendSpec(
         name="art-serverless",
@@ -98,6 +122,8 @@ SPECS: dict[str, BackendSpec] = {
         create=lambda settings: art_backends.create_serverless(settings.data_dir),
         trainable_model=art_backends.serverless_model,
         unavailable=art_backends.serverless_unavailable,
+        other_methods={"sft": SftHyperparameters},
+        refusals={"dpo": _NO_ART_DPO},
     ),
 }
 

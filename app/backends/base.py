@@ -16,6 +16,7 @@ import httpx
 from pydantic import BaseModel
 
 from app.backends.checkpoints import CheckpointDirs
+from app.backends.hyperparameters import SftHyperparameters
 
 if TYPE_CHECKING:
     import art
@@ -125,6 +126,26 @@ class Inference:
     step: int
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _sft_config(hp: SftHyperparameters) -> art.TrainSFTConfig:
+    """ART's `TrainSFTConfig` of the job's keywords; `assistant_turns` only where the
+    installed ART has it (0.5.23), and an error where a job asks for it on 0.5.18."""
+    import art
+
+    fields: dict[str, Any] = {
+        "learning_rate": hp.learning_rate,
+        "batch_size": "auto" if hp.batch_size is None else hp.batch_size,
+    }
+    if "assistant_turns" in art.TrainSFTConfig.model_fields:
+        fields["assistant_turns"] = hp.assistant_turns
+    elif hp.assistant_turns != "all":
+        raise ValueError("assistant_turns=last needs openpipe-art 0.5.23 on the worker")
+    return art.TrainSFTConfig(**fields)
+
+
 class TrainerAdapter:
     """Register, read steps, train and serve through one `art.Backend`."""
 
@@ -200,6 +221,81 @@ class TrainerAdapter:
             metrics=metrics,
             checkpoint_path=getattr(result, "checkpoint_path", None),
             trained=metrics.get(TOTAL_KEY, 1) != 0,
+        )
+
+    async def train_sft(
+        self,
+        spec: ModelSpec,
+        trajectories: list[art.Trajectory],
+        hyperparameters: dict[str, Any],
+        on_progress: ProgressCallback | None = None,
+    ) -> TrainOutcome:
+        """One supervised step through ART's entry point, `backend._train_sft` (what
+        `model.train_sft` calls): each gradient step's metrics reported as it comes; the
+        step the backend is at afterwards is the job's."""
+        model = await self.model(spec)
+        try:
+            hp = SftHyperparameters.model_validate(hyperparameters)
+            # Our own backends take every keyword; ART's, its `TrainSFTConfig`.
+            config: Any = hp if isinstance(self.backend, CheckpointDirs) else _sft_config(hp)
+        except ValueError as exc:
+            raise classify(exc) from exc
+        samples: list[dict[str, float]] = []
+        try:
+            with progress_reporting(on_progress):
+                async for metrics in self.backend._train_sft(model, trajectories, config, {}):
+                    numbers = {k: float(v) for k, v in metrics.items() if _number(v)}
+                    samples.append(numbers)
+                    report_gradient_step(numbers)
+            step = await self.backend._get_step(model)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            raise classify(exc) from exc
+        return self._outcome(spec, step, samples)
+
+    async def train_dpo(
+        self,
+        spec: ModelSpec,
+        pairs: list[dict[str, Any]],
+        hyperparameters: dict[str, Any],
+        on_progress: ProgressCallback | None = None,
+    ) -> TrainOutcome:
+        """One preference-optimisation step, by the backend's `train_dpo` (ART has no DPO:
+        only Trainyard's own backends offer it)."""
+        model = await self.model(spec)
+        train_dpo = getattr(self.backend, "train_dpo", None)
+        if train_dpo is None:
+            raise BackendError(f"backend {self.name} does not train DPO", transient=False)
+        try:
+            with progress_reporting(on_progress):
+                result = await train_dpo(model, pairs, **hyperparameters)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            raise classify(exc) from exc
+        metrics = {k: v for k, v in (result.metrics or {}).items() if _number(v)}
+        return TrainOutcome(
+            step=result.step,
+            metrics=metrics,
+            checkpoint_path=getattr(result, "checkpoint_path", None),
+            trained=metrics.get(TOTAL_KEY, 1) != 0,
+        )
+
+    def _outcome(self, spec: ModelSpec, step: int, samples: list[dict[str, float]]) -> TrainOutcome:
+        """A step's outcome from its gradient steps' metrics (averaged, as ART logs them)."""
+        keys = {k for sample in samples for k in sample}
+        metrics = {
+            k: sum(s[k] for s in samples if k in s) / sum(1 for s in samples if k in s)
+            for k in sorted(keys)
+        }
+        metrics[TOTAL_KEY] = float(len(samples))
+        dirs = self.checkpoint_dirs()
+        return TrainOutcome(
+            step=step,
+            metrics=metrics,
+            checkpoint_path=dirs.location(self._unregistered(spec), step) if dirs else None,
+            trained=bool(samples),
         )
 
     def _unregistered(self, spec: ModelSpec) -> art.TrainableModel:

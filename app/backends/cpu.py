@@ -11,15 +11,16 @@ models: tests, the quick start, and laptops without a GPU.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.backends.admission import Admission
 from app.backends.base import TOTAL_KEY, report_gradient_step
 from app.backends.checkpoints import CheckpointDirs
+from app.backends.hyperparameters import SftHyperparameters
 from app.backends.storage import Shelf
 
 if TYPE_CHECKING:
@@ -49,6 +50,31 @@ class CpuHyperparameters(BaseModel):
     allow_training_without_logprobs: bool = Field(
         default=False, description="Train assistant turns without logprobs (re-tokenized)."
     )
+
+
+class CpuDpoHyperparameters(BaseModel):
+    """Preference-optimisation (DPO) keywords of the cpu backend."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    learning_rate: float = Field(default=1e-4, gt=0, le=1)
+    beta: float = Field(
+        default=0.1,
+        gt=0,
+        le=100,
+        description="How far the policy may move from the reference to fit a preference.",
+    )
+    batch_size: int = Field(default=8, ge=1, le=4096, description="Pairs per gradient step.")
+    reference: Literal["start", "base"] = Field(
+        default="start",
+        description="The reference policy: `start`, the step the job starts from; `base`, the "
+        "base model with the adapter off.",
+    )
+    max_grad_norm: float = Field(default=1.0, gt=0)
+
+
+SFT_BATCH_SIZE = 8  # examples per gradient step when the job leaves it to the backend
+MAX_GRAD_NORM = 1.0
 
 
 def base_model_refusal(base: str, roots: Sequence[Path]) -> str | None:
@@ -227,6 +253,130 @@ class CpuBackend(CheckpointDirs):
             step=step, metrics={**summary, **averaged}, checkpoint_path=checkpoint
         )
 
-    async def _train_sft(self, *args: Any, **kwargs: Any) -> AsyncIterator[dict[str, float]]:
-        raise NotImplementedError("the cpu backend does not do SFT")
-        yield {}
+    # -- supervised fine-tuning (ART's `_train_sft`) and DPO ------------------------------
+
+    async def _train_sft(
+        self,
+        model: art.TrainableModel,
+        trajectories: Iterable[art.Trajectory],
+        config: Any,
+        dev_config: Any = None,
+        verbose: bool = False,
+    ) -> AsyncIterator[dict[str, float]]:
+        """ART's supervised entry point: cross-entropy on the assistant turns of each chat,
+        `config.batch_size` chats a gradient step, one new step (checkpoint) at the end.
+        Yields each gradient step's metrics as it is taken. `config`: ART's
+        `TrainSFTConfig`, or the job's `SftHyperparameters`."""
+        hp = SftHyperparameters(
+            learning_rate=config.learning_rate,
+            batch_size=None if config.batch_size in (None, "auto") else config.batch_size,
+            assistant_turns=getattr(config, "assistant_turns", "all"),
+        )
+        _, policy = self._policies[model.name]
+        chats = list(trajectories)
+        async for metrics in _streamed(self._sft, model, policy, chats, hp):
+            yield metrics
+
+    def _sft(
+        self,
+        model: art.TrainableModel,
+        policy: Any,
+        chats: list[art.Trajectory],
+        hp: SftHyperparameters,
+        emit: Callable[[dict[str, float]], None],
+    ) -> None:
+        size = hp.batch_size or SFT_BATCH_SIZE
+        with policy.lock:
+            self.sync(model, policy)
+            batches = [
+                [
+                    turn
+                    for chat in chats[i : i + size]
+                    for turn in policy.sft_turns(chat, hp.assistant_turns)
+                ]
+                for i in range(0, len(chats), size)
+            ]
+            batches = [b for b in batches if b]
+            for batch in batches:
+                metrics = policy.sft_step(
+                    batch, learning_rate=hp.learning_rate, max_grad_norm=MAX_GRAD_NORM
+                )
+                emit(
+                    {
+                        **metrics,
+                        "data/step_num_trajectories": float(len(chats)),
+                        TOTAL_KEY: len(batches),
+                    }
+                )
+            self._save_next(model, policy)
+
+    async def train_dpo(
+        self, model: art.TrainableModel, pairs: list[dict[str, Any]], **kwargs: Any
+    ) -> art.TrainResult:
+        """One step of DPO on preference pairs (`{prompt, chosen, rejected}`), `batch_size`
+        pairs a gradient step, against the reference `reference` names."""
+        hp = CpuDpoHyperparameters.model_validate(kwargs)
+        _, policy = self._policies[model.name]
+        return await asyncio.to_thread(self._dpo, model, policy, pairs, hp)
+
+    def _dpo(
+        self,
+        model: art.TrainableModel,
+        policy: Any,
+        pairs: list[dict[str, Any]],
+        hp: CpuDpoHyperparameters,
+    ) -> art.TrainResult:
+        with policy.lock:
+            self.sync(model, policy)
+            turns = [policy.pair_turns(pair) for pair in pairs]
+            references = policy.pair_logprobs(turns, adapter=hp.reference == "start")
+            size = hp.batch_size
+            total = (len(turns) + size - 1) // size
+            samples = []
+            for i in range(0, len(turns), size):
+                metrics = policy.dpo_step(
+                    turns[i : i + size],
+                    references[i : i + size],
+                    beta=hp.beta,
+                    learning_rate=hp.learning_rate,
+                    max_grad_norm=hp.max_grad_norm,
+                )
+                samples.append(metrics)
+                report_gradient_step({**metrics, TOTAL_KEY: total})
+            step, checkpoint = self._save_next(model, policy)
+        averaged = {k: sum(s[k] for s in samples) / len(samples) for k in samples[0]}
+        from art.types import LocalTrainResult
+
+        summary = {"data/step_num_pairs": float(len(pairs)), TOTAL_KEY: float(total)}
+        return LocalTrainResult(
+            step=step, metrics={**summary, **averaged}, checkpoint_path=checkpoint
+        )
+
+    def _save_next(self, model: art.TrainableModel, policy: Any) -> tuple[int, str]:
+        """Save the adapter in memory as the model's next step (call with the lock held)."""
+        step = self.step_on_disk(model) + 1
+        checkpoint = self.location(model, step)
+        with self.writing(model, step) as partial:
+            policy.save(partial, step)
+        return step, checkpoint
+
+
+async def _streamed(work: Callable[..., None], *args: Any) -> AsyncIterator[dict[str, float]]:
+    """Run `work(*args, emit)` in a thread and yield what it emits, as it emits it; then
+    raise what it raised, if anything."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[dict[str, float] | None] = asyncio.Queue()
+
+    def emit(metrics: dict[str, float]) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, metrics)
+
+    def finished(future: asyncio.Future[None]) -> None:
+        if not future.cancelled():
+            future.exception()  # raised below; retrieved here if nobody waits any more
+        queue.put_nowait(None)
+
+    running = asyncio.ensure_future(asyncio.to_thread(work, *args, emit))
+    running.add_done_callback(finished)
+    while (metrics := await queue.get()) is not None:
+        yield metrics
+    await running

@@ -10,6 +10,7 @@ checks) or taken under a lock (torch's random generator: `app.backends.seeding`)
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from collections.abc import Callable, Sequence
@@ -313,6 +314,118 @@ class Policy:
         if kls:
             metrics["loss/kl_policy_ref"] = sum(kls) / len(kls)
         return metrics
+
+    # -- supervised and preference steps --------------------------------------------------
+
+    def sft_turns(self, trajectory: Any, assistant_turns: str = "all") -> list[Turn]:
+        """Each assistant turn of a chat as a target, after the context it answers (only its
+        tokens, and the end-of-turn token, are trained on; the rest is masked out)."""
+        tools = getattr(trajectory, "tools", None)
+        context: list[dict[str, Any]] = []
+        turns = []
+        for item in trajectory.messages_and_choices:
+            message = item.message.model_dump() if isinstance(item, Choice) else dict(item)
+            if message.get("role") == "assistant" and message.get("content"):
+                turns.append(self._retokenized(context, message["content"], 1.0, tools))
+            context.append(message)
+        return turns[-1:] if assistant_turns == "last" else turns
+
+    def sft_step(
+        self, turns: list[Turn], *, learning_rate: float, max_grad_norm: float
+    ) -> dict[str, float]:
+        """One gradient step of cross-entropy on the target tokens of `turns` (the mean over
+        every target token of the batch)."""
+        optimizer = self._optimizer(learning_rate)
+        self.model.train()
+        optimizer.zero_grad()
+        tokens = sum(len(t.completion_ids) for t in turns)
+        total = 0.0
+        for turn in turns:
+            logprobs = self._completion_logprobs(turn)
+            loss = -logprobs.sum() / tokens
+            loss.backward()
+            total += float(loss.detach())
+        grad_norm = self._clip(max_grad_norm)
+        optimizer.step()
+        self.model.eval()
+        return {
+            "loss/train": total,
+            "loss/grad_norm": grad_norm,
+            "loss/learning_rate": learning_rate,
+            "data/step_trainer_tokens": float(tokens),
+        }
+
+    def pair_turns(self, pair: dict[str, Any]) -> tuple[Turn, Turn]:
+        """A preference pair as two completions of one prompt: (chosen, rejected)."""
+        prompt = list(pair["prompt"])
+        tools = pair.get("tools")
+        return (
+            self._retokenized(prompt, pair["chosen"], 1.0, tools),
+            self._retokenized(prompt, pair["rejected"], -1.0, tools),
+        )
+
+    @torch.no_grad()
+    def pair_logprobs(
+        self, pairs: list[tuple[Turn, Turn]], *, adapter: bool = True
+    ) -> list[tuple[float, float]]:
+        """The summed logprobs of each pair's (chosen, rejected) answers; `adapter=False`:
+        under the base model alone."""
+        with contextlib.nullcontext() if adapter else self.model.disable_adapter():
+            return [
+                (
+                    float(self._completion_logprobs(chosen).sum()),
+                    float(self._completion_logprobs(rejected).sum()),
+                )
+                for chosen, rejected in pairs
+            ]
+
+    def dpo_step(
+        self,
+        pairs: list[tuple[Turn, Turn]],
+        references: list[tuple[float, float]],
+        *,
+        beta: float,
+        learning_rate: float,
+        max_grad_norm: float,
+    ) -> dict[str, float]:
+        """One gradient step of the DPO loss, -log sigmoid(beta * ((pi_c - ref_c) - (pi_r -
+        ref_r))), averaged over the batch. Reports the loss, the reward margin (the mean of
+        beta * that difference) and the accuracy (pairs whose chosen reward is higher)."""
+        optimizer = self._optimizer(learning_rate)
+        self.model.train()
+        optimizer.zero_grad()
+        losses, margins = [], []
+        for (chosen, rejected), (ref_c, ref_r) in zip(pairs, references, strict=True):
+            pi_c = self._completion_logprobs(chosen).sum()
+            pi_r = self._completion_logprobs(rejected).sum()
+            margin = beta * ((pi_c - ref_c) - (pi_r - ref_r))
+            loss = -torch.nn.functional.logsigmoid(margin)
+            (loss / len(pairs)).backward()
+            losses.append(float(loss.detach()))
+            margins.append(float(margin.detach()))
+        grad_norm = self._clip(max_grad_norm)
+        optimizer.step()
+        self.model.eval()
+        return {
+            "loss/train": sum(losses) / len(losses),
+            "loss/grad_norm": grad_norm,
+            "loss/learning_rate": learning_rate,
+            "dpo/reward_margin": sum(margins) / len(margins),
+            "dpo/accuracy": sum(m > 0 for m in margins) / len(margins),
+        }
+
+    @torch.no_grad()
+    def answer_logprob(
+        self, messages: Sequence[dict[str, Any]], answer: str, tools: Any = None
+    ) -> float:
+        """The mean per-token logprob of `answer` (and its end-of-turn token) after
+        `messages`: how likely the model is to say it."""
+        turn = self._retokenized(list(messages), answer, 1.0, tools)
+        return float(self._completion_logprobs(turn).mean())
+
+    def _clip(self, max_grad_norm: float) -> float:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        return float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
 
     def _completion_logprobs(self, seq: Turn) -> torch.Tensor:
         ids = torch.tensor([seq.prompt_ids + seq.completion_ids], device=self.device)

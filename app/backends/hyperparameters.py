@@ -67,3 +67,21 @@ class ArtServerlessHyperparameters(_CommonRL):
     """`ServerlessBackend.train` keywords (W&B serverless training)."""
 
     ppo: bool = False
+
+
+class SftHyperparameters(_Strict):
+    """Supervised fine-tuning keywords: ART's `TrainSFTConfig` (0.5.18 and 0.5.23), for
+    every backend that trains SFT."""
+
+    learning_rate: float = Field(default=5e-5, gt=0, le=1, description="Optimizer learning rate.")
+    batch_size: int | None = Field(
+        default=None,
+        ge=1,
+        le=4096,
+        description="Examples per gradient step; null: the backend's choice (ART's `auto`).",
+    )
+    assistant_turns: Literal["all", "last"] = Field(
+        default="all",
+        description="Which assistant turns of each chat are trained on (`last`: openpipe-art "
+        "0.5.23 and the cpu backend).",
+    )

@@ -45,6 +45,7 @@ from app.runs.state import RunState
 from app.runs.state import decode as decode_state
 from app.schemas.rollouts import RolloutSummary
 from app.settings import Settings
+from app.training import methods
 
 log = logging.getLogger(__name__)
 runs = cast(Table, RunRow.__table__)
@@ -223,6 +224,8 @@ class RunDriver:
         job_id = child_id(run_id, create.role, create.step)
         spec = loaded.spec
         labels = {"run": run_id, "run_step": create.step, "run_role": create.role}
+        if create.role == "warmup":
+            return self._warmup(job_id, model, spec.warmup, labels)
         if create.role == "validation":
             examples = [run_spec.as_rollout_example(i, e) for i, e in enumerate(loaded.validation)]
             recipe = run_spec.rollout_spec(spec, examples, train=None)
@@ -255,6 +258,25 @@ class RunDriver:
             request_hash=hashlib.sha256(payload.data).hexdigest(),
             max_attempts=self.settings.max_attempts,
             queued_event={"run": run_id, "step": create.step, "role": create.role},
+        )
+
+    def _warmup(
+        self, job_id: str, model: str, warmup: dict[str, Any] | None, labels: dict[str, Any]
+    ) -> NewJob:
+        """The run's SFT warm-up: a training job with `method: sft`."""
+        assert warmup is not None
+        payload, summary = methods.encode_sft(warmup["examples"])
+        return new_job(
+            JobKind.training,
+            job_id=job_id,
+            model=model,
+            payload=payload,
+            hyperparameters=warmup["hyperparameters"],
+            metadata=labels,
+            summary=summary.model_dump(),
+            request_hash=hashlib.sha256(payload.data).hexdigest(),
+            max_attempts=self.settings.max_attempts,
+            queued_event={"run": labels["run"], "step": 0, "role": "warmup"},
         )
 
     async def _load(self, conn: AsyncConnection, run_id: str) -> Loaded:

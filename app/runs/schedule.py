@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.jobs.lifecycle import ErrorInfo, EventType, JobStatus
-from app.runs.state import Role, RunState
+from app.runs.state import Phase, Role, RunState
 
-ROLE_LETTER: dict[Role, str] = {"rollout": "r", "training": "t", "validation": "v"}
+ROLE_LETTER: dict[Role, str] = {"rollout": "r", "training": "t", "validation": "v", "warmup": "w"}
 
 
 def child_id(run_id: str, role: Role, step: int) -> str:
@@ -39,7 +39,7 @@ def child_id(run_id: str, role: Role, step: int) -> str:
 def run_of(job_id: str) -> str | None:
     """The run a child job belongs to (None: not a run's child), from its id alone."""
     head, dash, tail = job_id.partition("-")
-    if not dash or not head.startswith("job_") or tail[:1] not in ("r", "t", "v"):
+    if not dash or not head.startswith("job_") or tail[:1] not in ("r", "t", "v", "w"):
         return None
     return "run_" + head.removeprefix("job_")
 
@@ -59,6 +59,7 @@ class Plan:
     off_policy: int
     lr: float | None
     lr_schedule: tuple[str, int, float] | None  # type, warmup_steps, min_ratio
+    warmup: bool = False  # an SFT step before the first validation and rollout
 
 
 def epoch_steps(examples: int, per_step: int) -> int:
@@ -105,8 +106,14 @@ def initial_state(plan: Plan) -> RunState:
         epochs=plan.epochs,
         order=epoch_order(active, plan.seed, 0),
         total_steps=total_steps(plan, epoch=0, epoch_start=0, active=len(active)),
-        phase="validation" if plan.validate_every else "rollout",
+        phase="warmup" if plan.warmup else _first_phase(plan),
     )
+
+
+def _first_phase(plan: Plan) -> Phase:
+    """Where a run starts, after its warm-up if it has one: a validation of the step it
+    starts from, or the first rollout."""
+    return "validation" if plan.validate_every else "rollout"
 
 
 def batch(plan: Plan, state: RunState, step: int) -> list[int]:
@@ -231,6 +238,18 @@ def _take(
             message += f": {error.get('type', 'Error')}: {error['message']}"
         _end(state, decision, JobStatus.failed, "failed")
         decision.error = ErrorInfo(type="ChildJobFailed", message=message, transient=False)
+        return
+    if role == "warmup":
+        state.phase = _first_phase(plan)
+        progress = {
+            "step": 0,
+            "total_steps": state.total_steps,
+            "epoch": 0,
+            "reward_mean": None,
+            "loss": _training_figures(child)["loss"],
+            "warmup": child.id,  # the SFT step before RL, done
+        }
+        decision.events.append((EventType.run_step, progress))
         return
     if role == "rollout":
         if child.next_job_id is None:  # it built no training job: impossible with `train`
@@ -367,6 +386,10 @@ def _next(
     decision: Decision,
 ) -> None:
     """Nothing to wait on: start the next child, or end the run."""
+    if state.phase == "warmup":
+        state.waiting = ("warmup", 0)
+        decision.create.append(Create("warmup", 0))
+        return
     if state.phase == "validation":
         validated = state.step
         state.waiting = ("validation", validated)

@@ -44,6 +44,7 @@ from app.schemas.runs import (
     RunProgress,
 )
 from app.settings import Settings
+from app.training import methods
 from app.training.service import hyperparameters_of
 
 RUN = JobKind.run
@@ -144,6 +145,22 @@ def _split_errors(
     return errors
 
 
+def _warmup(backend: str, body: RunCreate) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    """The run's SFT warm-up as its spec keeps it (its keywords checked for the model's
+    backend), or the errors naming `warmup`."""
+    if body.warmup is None:
+        return None, []
+    hyperparameters, bad = hyperparameters_of(
+        backend,
+        body.warmup.hyperparameters,
+        loc=("warmup", "hyperparameters"),
+        method="sft",
+        method_loc=("warmup",),
+    )
+    examples = [methods.example_json(e) for e in body.warmup.examples]
+    return {"examples": examples, "hyperparameters": hyperparameters}, bad
+
+
 async def create_run(
     session: AsyncSession,
     *,
@@ -169,6 +186,8 @@ async def create_run(
     else:
         hyperparameters, bad = hyperparameters_of(model.backend, body.hyperparameters)
         errors += bad
+        warmup, bad = _warmup(model.backend, body)
+        errors += bad
         await ensure_model_free(session, model.name)
     policy = EgressPolicy.from_settings(settings)
     errors += refused_destinations(body.recipe.agent, body.recipe.grader, policy, at=("recipe",))
@@ -191,6 +210,7 @@ async def create_run(
         num_validation=num_validation,
         dataset=ref,
         examples=splits if body.examples is not None else None,
+        warmup=warmup,
     )
     if large:
         payload = await asyncio.to_thread(spec.encode, stored)

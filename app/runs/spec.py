@@ -54,6 +54,9 @@ class RunSpec(BaseModel):
     early_stopping: EarlyStopping | None
     curriculum: Curriculum | None
     max_steps_off_policy: int
+    # The SFT warm-up before RL: {"examples": [chats], "hyperparameters": {...}} (a spec
+    # written before warm-ups has none).
+    warmup: SkipValidation[dict[str, Any] | None] = None
 
     @classmethod
     def of(
@@ -65,6 +68,7 @@ class RunSpec(BaseModel):
         num_validation: int,
         dataset: DatasetRef | None,
         examples: dict[str, list[dict[str, Any]]] | None,
+        warmup: dict[str, Any] | None = None,
     ) -> RunSpec:
         return cls(
             dataset=dataset,
@@ -80,6 +84,7 @@ class RunSpec(BaseModel):
             early_stopping=body.early_stopping,
             curriculum=body.curriculum,
             max_steps_off_policy=body.max_steps_off_policy,
+            warmup=warmup,
         )
 
     def plan(self) -> Plan:
@@ -107,6 +112,7 @@ class RunSpec(BaseModel):
             lr_schedule=(
                 (schedule.type, schedule.warmup_steps, schedule.min_ratio) if schedule else None
             ),
+            warmup=self.warmup is not None,
         )
 
 

@@ -15,11 +15,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-Role = Literal["rollout", "training", "validation"]
-Phase = Literal["queued", "validation", "rollout", "training", "done"]
+Role = Literal["rollout", "training", "validation", "warmup"]
+Phase = Literal["queued", "warmup", "validation", "rollout", "training", "done"]
 
 FORMAT = 2
-_ROLES = ("rollout", "training", "validation")
+_ROLES = ("rollout", "training", "validation", "warmup")
 
 
 class StateFormatError(ValueError):

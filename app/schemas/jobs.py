@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from app.jobs.lifecycle import EventType, JobStatus
 from app.schemas.common import NO_NUL, JsonObject
 from app.schemas.pieces import EACH, Piece
+from app.schemas.supervised import DpoSummary, Method, SftSummary
 from app.schemas.trajectories import (
     NAT_COLLECTION_EXAMPLE,
     ArtTrajectory,
@@ -44,6 +45,11 @@ class TrainingJobCreate(BaseModel):
     )
 
     model: str = Field(pattern=NO_NUL, description="Name of a registered model.")
+    method: Literal["rl"] = Field(
+        default="rl",
+        description="`rl` (this shape, the default): a step on rewarded trajectory groups. "
+        "`sft` and `dpo` take other shapes (`SftJobCreate`, `DpoJobCreate`).",
+    )
     collection: TrajectoryCollection | None = Field(
         default=None,
         description="A NeMo Agent Toolkit `TrajectoryCollection`, as NAT serializes it.",
@@ -141,7 +147,12 @@ class TrainingJob(BaseModel):
     id: str
     model: str
     status: JobStatus
-    summary: TrajectorySummary
+    method: Method = Field(
+        default="rl", description="`rl`, `sft` (supervised) or `dpo` (preference pairs)."
+    )
+    summary: TrajectorySummary | SftSummary | DpoSummary = Field(
+        description="What the job was given: trajectory counts (rl), examples (sft), pairs (dpo)."
+    )
     hyperparameters: dict[str, Any]
     metadata: dict[str, Any]
     policy_step: int | None = Field(description="The model step the trajectories came from.")

@@ -25,8 +25,7 @@ from app.schemas.graders import (
 )
 from app.schemas.jobs import WAITING_FOR, JobError, JobProgress
 from app.schemas.pieces import EACH, Piece
-
-ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
+from app.schemas.supervised import ROLES
 
 
 class Example(BaseModel):

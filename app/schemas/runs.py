@@ -14,6 +14,7 @@ from app.schemas.graders import Grader
 from app.schemas.jobs import JobError
 from app.schemas.pieces import EACH, Piece
 from app.schemas.rollouts import Agent, Example, Sampling
+from app.schemas.supervised import MAX_EXAMPLES, SftExample
 
 SplitName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 
@@ -172,6 +173,23 @@ class Curriculum(BaseModel):
     )
 
 
+class SftWarmup(BaseModel):
+    """A run's supervised warm-up: one SFT step, as a training job with `method: sft`
+    takes it."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    examples: list[SftExample] = Field(
+        min_length=1,
+        max_length=MAX_EXAMPLES,
+        description="OpenAI-shaped chats; their assistant turns are the targets.",
+    )
+    hyperparameters: JsonObject = Field(
+        default_factory=dict,
+        description="The backend's SFT keywords (`GET /v1/backends`: `methods.sft`).",
+    )
+
+
 class RunCreate(BaseModel):
     """Train a model on a dataset: sample, grade, group and train, step after step,
     validating and keeping the best checkpoint."""
@@ -219,6 +237,12 @@ class RunCreate(BaseModel):
     checkpoints: CheckpointPolicy = Field(default_factory=CheckpointPolicy)
     early_stopping: EarlyStopping | None = None
     curriculum: Curriculum | None = None
+    warmup: SftWarmup | None = Field(
+        default=None,
+        description="A supervised warm-up before RL: one SFT step on these chats (a "
+        "training job of the run, `run_role: warmup`), before the first validation and "
+        "the first rollout.",
+    )
     max_steps_off_policy: int = Field(
         default=0,
         ge=0,
@@ -250,7 +274,7 @@ class RunProgress(BaseModel):
     epoch: int = Field(description="The epoch under way (1-based; 0 before the first).")
     epochs: int | None
     percent: float
-    phase: Literal["queued", "rollout", "training", "validation", "paused", "done"]
+    phase: Literal["queued", "warmup", "rollout", "training", "validation", "paused", "done"]
     eta_seconds: float | None = Field(description="Estimated time left, from the steps so far.")
 
 

@@ -21,7 +21,8 @@ MetadataValue = float | int | str | bool | None
 MetricValue = float | int | bool
 
 DPO_NOT_SUPPORTED = (
-    "DPO items are not supported: Trainyard trains with GRPO on episodes of role/content items"
+    "a DPO item in an RL job, whose episodes hold role/content items: submit DPO items as a "
+    'DPO job (`"method": "dpo"`)'
 )
 _DPO_KEYS = frozenset({"prompt", "chosen_response", "rejected_response"})
 

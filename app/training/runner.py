@@ -11,9 +11,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from app.backends.base import BackendError, ModelSpec, TrainerAdapter, TrainOutcome, classify
+from app.backends.base import (
+    BackendError,
+    ModelSpec,
+    ProgressCallback,
+    TrainerAdapter,
+    TrainOutcome,
+    classify,
+)
 from app.checkpoints.service import retain_after_step
 from app.jobs.lifecycle import (
     Cancelled,
@@ -27,6 +36,7 @@ from app.jobs.lifecycle import (
     Succeeded,
     landed_step,
 )
+from app.jobs.payloads import Payload
 from app.jobs.store import Claim, LeaseState
 from app.jobs.supervise import (
     KindRunner,
@@ -37,7 +47,7 @@ from app.jobs.supervise import (
     started_event,
     supervise,
 )
-from app.training import spec
+from app.training import methods, spec
 
 if TYPE_CHECKING:
     import art
@@ -62,9 +72,9 @@ async def run(claim: Claim, ctx: RunContext) -> None:
     try:
         adapter = ctx.backends.get(claim.backend)
         if claim.payload.size > _THREAD_BYTES:
-            groups = await asyncio.to_thread(spec.decode, claim.payload)
+            work = await asyncio.to_thread(_work, claim.payload)
         else:
-            groups = spec.decode(claim.payload)
+            work = _work(claim.payload)
         start_step = await adapter.get_step(claim.model)
     except Exception as exc:  # nothing was trained: record the real error
         await store.apply(lease, failure(classify(exc), claim, ctx.settings))
@@ -76,7 +86,7 @@ async def run(claim: Claim, ctx: RunContext) -> None:
         ctx.signal()
         return
     progress = Progress(EventType.gradient_step)
-    started = started_event(lease, start_step, {"groups": len(groups)})
+    started = started_event(lease, start_step, work.counts)
     if start_step == claim.start_step:
         progress.events.append(started)  # recorded with the claim: out with the next write
     else:
@@ -85,12 +95,11 @@ async def run(claim: Claim, ctx: RunContext) -> None:
             return
         ctx.signal()
     train = asyncio.create_task(
-        adapter.train(claim.model, groups, claim.hyperparameters, on_progress=progress),
+        work.train(adapter, claim.model, claim.hyperparameters, progress),
         name=f"train:{lease.job_id}",
     )
     try:
-        learnable = any(map(_learnable, groups))
-        outcome = await _outcome(claim, adapter, train, start_step, learnable, progress, ctx)
+        outcome = await _outcome(claim, adapter, train, start_step, work.learnable, progress, ctx)
     finally:
         if not train.done():
             train.cancel()
@@ -159,6 +168,43 @@ async def _outcome(
             **_progress_columns(progress),
         },
         model=await _served(adapter, claim.model, result.step),
+    )
+
+
+@dataclass(frozen=True)
+class _Work:
+    """What a stored spec asks the backend to do, by its method (`rl`, `sft`, `dpo`)."""
+
+    counts: dict[str, Any]  # the `training_started` event's data
+    learnable: bool  # whether a step on it can change the weights
+    train: Callable[
+        [TrainerAdapter, ModelSpec, dict[str, Any], ProgressCallback],
+        Coroutine[Any, Any, TrainOutcome],
+    ]
+
+
+def _work(payload: Payload) -> _Work:
+    """Decode a stored spec into the call that trains it (off the loop for a large one)."""
+    method = methods.method_of(payload.format)
+    if method == "sft":
+        chats = methods.sft_trajectories(payload)
+        return _Work(
+            {"method": "sft", "examples": len(chats)},
+            True,
+            lambda adapter, model, hp, progress: adapter.train_sft(model, chats, hp, progress),
+        )
+    if method == "dpo":
+        pairs = methods.stored_pairs(payload)
+        return _Work(
+            {"method": "dpo", "pairs": len(pairs)},
+            True,
+            lambda adapter, model, hp, progress: adapter.train_dpo(model, pairs, hp, progress),
+        )
+    groups = spec.decode(payload)
+    return _Work(
+        {"groups": len(groups)},
+        any(map(_learnable, groups)),
+        lambda adapter, model, hp, progress: adapter.train(model, groups, hp, on_progress=progress),
     )
 
 

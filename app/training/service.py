@@ -7,19 +7,21 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
+from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.backends import SPECS
+from app.datasets import decode_splits
 from app.db import begin_write
-from app.errors import InvalidInputError, field_errors, format_path
+from app.errors import ConflictError, InvalidInputError, field_errors, format_path
 from app.ingest import jsontext
 from app.jobs.exclusive import ensure_no_run
 from app.jobs.lifecycle import JobKind, JobStatus
 from app.jobs.payloads import Payload
 from app.jobs.service import JobView, enqueue_once, get_job, job_fields, replay
 from app.jobs.store import new_job
-from app.models import JobRow, ModelRow
+from app.models import DatasetRow, JobRow, ModelRow
 from app.schemas.common import FieldError
 from app.schemas.jobs import (
     TRAINING_PIECES,
@@ -30,9 +32,18 @@ from app.schemas.jobs import (
     TrajectoryShape,
 )
 from app.schemas.pieces import validate_item
+from app.schemas.supervised import (
+    MAX_EXAMPLES,
+    DatasetSource,
+    DpoJobCreate,
+    DpoSummary,
+    SftExample,
+    SftJobCreate,
+    SftSummary,
+)
 from app.schemas.trajectories import ArtTrajectoryGroup, TrajectoryCollection, TrajectorySummary
 from app.settings import Settings
-from app.training import spec
+from app.training import methods, spec
 from app.trajectories import (
     MAX_ISSUES,
     Loc,
@@ -56,12 +67,29 @@ def _invalid(detail: str, errors: list[dict[str, Any]]) -> InvalidInputError:
 
 
 def hyperparameters_of(
-    backend: str, hyperparameters: dict[str, Any], *, loc: tuple[str, ...] = ("hyperparameters",)
+    backend: str,
+    hyperparameters: dict[str, Any],
+    *,
+    loc: tuple[str, ...] = ("hyperparameters",),
+    method: str = "rl",
+    method_loc: tuple[str, ...] = ("method",),
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """The backend's hyper-parameters, validated once and normalized (only those set), or
-    the errors at `loc`."""
+    """The backend's hyper-parameters for `method`, validated once and normalized (only
+    those set), or the errors at `loc` (at `method` when the backend does not train so)."""
+    accepted = SPECS[backend].method_hyperparameters(method)
+    if accepted is None:
+        offered = ", ".join(SPECS[backend].methods())
+        message = f"backend `{backend}` does not train with `{method}` (it offers: {offered})"
+        reason = SPECS[backend].refusals.get(method)
+        return {}, [
+            {
+                "loc": method_loc,
+                "msg": f"{message}; {reason}" if reason else message,
+                "type": "unsupported_method",
+            }
+        ]
     try:
-        parsed = SPECS[backend].hyperparameters.model_validate(hyperparameters)
+        parsed = accepted.model_validate(hyperparameters)
     except ValidationError as exc:
         return {}, [{**e, "loc": (*loc, *e["loc"])} for e in exc.errors()]
     return parsed.model_dump(mode="json", exclude_unset=True), []
@@ -93,10 +121,96 @@ class Prepared:
     metadata: dict[str, Any]
     policy_step: int | None
     max_steps_off_policy: int | None
-    summary: TrajectorySummary
+    summary: BaseModel  # TrajectorySummary (rl), SftSummary, DpoSummary
     errors: list[dict[str, Any]]  # the trajectories' problems
-    payload: Payload | None  # the spec, when there are none
+    payload: Payload | None  # the spec, when there are none (or the examples are a dataset's)
     request_hash: str
+    method: str = "rl"
+    dataset: DatasetSource | None = None  # SFT examples still to read from a dataset
+
+
+def prepare_sft(body: SftJobCreate, raw: bytes, settings: Settings) -> Prepared:
+    """An SFT request: inline examples encoded now; a dataset's read when it is stored."""
+    payload, summary = None, SftSummary(num_examples=0, num_target_turns=0)
+    if body.examples is not None:
+        payload, summary = methods.encode_sft([methods.example_json(e) for e in body.examples])
+    return Prepared(
+        model=body.model,
+        hyperparameters=body.hyperparameters,
+        metadata=body.metadata,
+        policy_step=None,
+        max_steps_off_policy=None,
+        summary=summary,
+        errors=[],
+        payload=payload,
+        request_hash=hashlib.sha256(raw).hexdigest(),
+        method="sft",
+        dataset=body.dataset,
+    )
+
+
+def prepare_dpo(body: DpoJobCreate, raw: bytes, settings: Settings) -> Prepared:
+    errors = methods.dpo_problems(body)
+    payload, summary = methods.encode_dpo([] if errors else methods.pairs_of(body))
+    return Prepared(
+        model=body.model,
+        hyperparameters=body.hyperparameters,
+        metadata=body.metadata,
+        policy_step=None,
+        max_steps_off_policy=None,
+        summary=summary,
+        errors=errors,
+        payload=None if errors else payload,
+        request_hash=hashlib.sha256(raw).hexdigest(),
+        method="dpo",
+    )
+
+
+async def _dataset_examples(
+    session: AsyncSession, source: DatasetSource
+) -> tuple[Payload | None, SftSummary | None, list[dict[str, Any]]]:
+    """The SFT examples of a dataset's split, encoded; or the errors naming `dataset`."""
+    row = (
+        await session.execute(
+            select(DatasetRow.payload, DatasetRow.payload_bytes).where(DatasetRow.id == source.id)
+        )
+    ).one_or_none()
+    if row is None:
+        return None, None, [_error(("dataset", "id"), "no such dataset", "unknown_dataset")]
+    splits = await decode_splits(row.payload, row.payload_bytes)
+    lines = splits.get(source.split)
+    if not lines:
+        known = ", ".join(sorted(splits))
+        message = f"dataset {source.id} has no examples in split {source.split!r} (it has: {known})"
+        return None, None, [_error(("dataset", "split"), message, "unknown_split")]
+    if len(lines) > MAX_EXAMPLES:
+        message = (
+            f"split {source.split!r} holds {len(lines)} examples; an SFT job trains on at "
+            f"most {MAX_EXAMPLES} (one model step)"
+        )
+        return None, None, [_error(("dataset", "split"), message, "too_long")]
+    examples, errors = [], []
+    for line in lines:
+        try:
+            example = SftExample.model_validate(
+                {"messages": line.get("messages"), "tools": line.get("tools")}
+            )
+        except ValidationError as exc:
+            detail = exc.errors()[0]["msg"]
+            message = f"example {line.get('id')!r} cannot be trained on: {detail}"
+            errors.append(_error(("dataset",), message, "unusable_example"))
+            if len(errors) >= MAX_ISSUES:
+                break
+            continue
+        examples.append(methods.example_json(example))
+    if errors:
+        return None, None, errors
+    payload, summary = methods.encode_sft(examples, dataset=source.id)
+    return payload, summary, []
+
+
+def _error(loc: tuple[str | int, ...], msg: str, kind: str) -> dict[str, Any]:
+    return {"loc": loc, "msg": msg, "type": kind}
 
 
 def prepare(body: TrainingJobCreate, raw: bytes, settings: Settings) -> Prepared:
@@ -318,19 +432,26 @@ async def create_training_job(
             },
         )
     else:
-        hyperparameters, bad = hyperparameters_of(model.backend, job.hyperparameters)
+        hyperparameters, bad = hyperparameters_of(
+            model.backend, job.hyperparameters, method=job.method
+        )
+        errors += bad
+    payload, summary = job.payload, job.summary
+    if job.dataset is not None:
+        payload, read, bad = await _dataset_examples(session, job.dataset)
+        summary = read or summary
         errors += bad
     if errors:
         raise _invalid(f"{len(errors)} problem(s) in the request; nothing was stored", errors)
-    assert model is not None and job.payload is not None
+    assert model is not None and payload is not None
     await ensure_no_run(session, model.name, what="a training job")
     new = new_job(
         JobKind.training,
         model=model.name,
-        payload=job.payload,
+        payload=payload,
         hyperparameters=hyperparameters,
         metadata=job.metadata,
-        summary=job.summary.model_dump(),
+        summary=summary.model_dump(),
         request_hash=job.request_hash,
         max_attempts=max_attempts,
         idempotency_key=idempotency_key,
@@ -346,6 +467,12 @@ async def trajectories(
     """What a training job was given, as it stores it (ART-style groups; a NAT collection
     was converted on arrival), in ART's shape or as a NAT `TrajectoryCollection`."""
     job = await get_job(session, job_id, kind=JobKind.training)
+    method = methods.method_of(job.payload_format)
+    if method != "rl":
+        raise ConflictError(
+            f"training job {job_id} is a `{method}` job: it was given "
+            f"{'examples' if method == 'sft' else 'preference pairs'}, not trajectories"
+        )
     await session.refresh(job, ["payload"])
     payload = Payload(job.payload_format, job.payload, job.payload_bytes)
     if payload.size > _THREAD_BYTES:
@@ -374,14 +501,19 @@ def to_wire(job: JobView) -> TrainingJob:
             trained=job.trained,
             reason=_untrained_reason(job) if job.trained is False else None,
         )
+    method = job.summary.get("method", "rl")
     return TrainingJob(
         **job_fields(job),
-        summary=TrajectorySummary.model_validate(job.summary),
+        method=method,
+        summary=_SUMMARIES.get(method, TrajectorySummary).model_validate(job.summary),
         hyperparameters=job.hyperparameters,
         policy_step=job.policy_step,
         max_steps_off_policy=job.max_steps_off_policy,
         result=result,
     )
+
+
+_SUMMARIES: dict[str, type[BaseModel]] = {"sft": SftSummary, "dpo": DpoSummary}
 
 
 def _untrained_reason(job: JobView) -> str:

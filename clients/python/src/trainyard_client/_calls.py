@@ -316,9 +316,17 @@ def training_jobs_create(
     policy_step: int | None = None,
     max_steps_off_policy: int | None = None,
     idempotency_key: str | None = None,
+    method: str | None = None,
+    examples: Sequence[Mapping[str, Any]] | None = None,
+    dataset: Mapping[str, Any] | None = None,
+    pairs: Sequence[Mapping[str, Any]] | None = None,
 ) -> Call[m.TrainingJob]:
     body = _body(
         model=model,
+        method=method,
+        examples=list(examples) if examples is not None else None,
+        dataset=dataset,
+        pairs=list(pairs) if pairs is not None else None,
         collection=collection,
         groups=list(groups) if groups is not None else None,
         hyperparameters=hyperparameters,
@@ -378,6 +386,7 @@ def runs_create(
     max_steps_off_policy: int | None = None,
     metadata: Mapping[str, Any] | None = None,
     idempotency_key: str | None = None,
+    warmup: Mapping[str, Any] | None = None,
 ) -> Call[m.Run]:
     body = _body(
         model=model,
@@ -393,6 +402,7 @@ def runs_create(
         curriculum=curriculum,
         max_steps_off_policy=max_steps_off_policy,
         metadata=metadata,
+        warmup=warmup,
     )
     key = idempotency_key if idempotency_key is not None else new_idempotency_key()
     call = _call("runs-create", _json(m.Run))

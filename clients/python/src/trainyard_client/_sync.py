@@ -445,11 +445,20 @@ class TrainingJobs(_Jobs[m.TrainingJob]):
         policy_step: int | None = None,
         max_steps_off_policy: int | None = None,
         idempotency_key: str | None = None,
+        method: str | None = None,
+        examples: Sequence[Mapping[str, Any]] | None = None,
+        dataset: Mapping[str, Any] | None = None,
+        pairs: Sequence[Mapping[str, Any]] | None = None,
     ) -> m.TrainingJob:
-        """Submit trajectories for one training step: a NAT `collection` or ART-style
-        `groups`. Sent with an Idempotency-Key (`idempotency_key`, else one made for this
-        call) that every retry repeats: a retried submit never makes a second job, and
-        submitting again with the same key and body returns the same job."""
+        """Submit one training step. RL (`method` left out, or `"rl"`): trajectories, a
+        NAT `collection` or ART-style `groups`. `method="sft"`: chat `examples`
+        (`{"messages": [...]}`; the assistant turns are the targets) or a `dataset`
+        split (`{"id": "ds_…", "split": "train"}`). `method="dpo"`: preference `pairs`
+        (`{"prompt": [...], "chosen": "…", "rejected": "…"}`) or a NAT `collection` of
+        DPO items. `hyperparameters`: the model's backend's keywords for that method
+        (`GET /v1/backends`). Sent with an Idempotency-Key (`idempotency_key`, else one
+        made for this call) that every retry repeats: a retried submit never makes a
+        second job, and submitting again with the same key and body returns the same job."""
         return self._send(
             calls.training_jobs_create(
                 model=model,
@@ -460,6 +469,10 @@ class TrainingJobs(_Jobs[m.TrainingJob]):
                 policy_step=policy_step,
                 max_steps_off_policy=max_steps_off_policy,
                 idempotency_key=idempotency_key,
+                method=method,
+                examples=examples,
+                dataset=dataset,
+                pairs=pairs,
             )
         )
 
@@ -536,9 +549,12 @@ class Runs(_Followed[m.Run]):
         max_steps_off_policy: int | None = None,
         metadata: Mapping[str, Any] | None = None,
         idempotency_key: str | None = None,
+        warmup: Mapping[str, Any] | None = None,
     ) -> m.Run:
-        """Start a run on `dataset` (`{"id": ...}`) or inline `examples`. Sent with an
-        Idempotency-Key, as a training-job submit is: a retry never starts a second run."""
+        """Start a run on `dataset` (`{"id": ...}`) or inline `examples`; `warmup`
+        (`{"examples": [chats], "hyperparameters": {...}}`): an SFT step before RL. Sent
+        with an Idempotency-Key, as a training-job submit is: a retry never starts a
+        second run."""
         return self._send(
             calls.runs_create(
                 model=model,
@@ -555,6 +571,7 @@ class Runs(_Followed[m.Run]):
                 max_steps_off_policy=max_steps_off_policy,
                 metadata=metadata,
                 idempotency_key=idempotency_key,
+                warmup=warmup,
             )
         )
 

@@ -51,7 +51,7 @@ NO_KEY = "no-key"
 
 
 class JobFailedError(TrainyardError):
-    """A training job ended without training (failed or cancelled); `job` says why."""
+    """A training (or SFT) job ended without training (failed or cancelled); `job` says why."""
 
     def __init__(self, job: TrainingJob) -> None:
         reason = job.error.message if job.error else job.status
@@ -190,7 +190,7 @@ class TrainyardBackend:
             step = await self._get_step(model)
         return art.TrainResult(step=step, metrics=_numbers(job.result.metrics or {}))
 
-    def _train_sft(
+    async def _train_sft(
         self,
         model: art.TrainableModel[Any, Any],
         trajectories: Iterable[art.Trajectory],
@@ -198,10 +198,34 @@ class TrainyardBackend:
         dev_config: dev.TrainSFTConfig,
         verbose: bool = False,
     ) -> AsyncIterator[dict[str, float]]:
-        raise NotImplementedError(
-            "Trainyard trains reinforcement-learning steps (backend.train); it offers no "
-            "supervised fine-tuning"
+        """ART's supervised entry point (what `model.train_sft` calls): one Trainyard SFT
+        job (`method: "sft"`) on the trajectories' messages, whose assistant turns are
+        the targets. Yields each gradient step's metrics as the job reports it; raises
+        JobFailedError if the job fails or is cancelled, WaitTimeoutError past `timeout`."""
+        if isinstance(config.learning_rate, list):
+            raise ValueError(
+                "Trainyard's SFT jobs take one learning_rate per job, not one per batch"
+            )
+        hyperparameters: dict[str, Any] = {"learning_rate": config.learning_rate}
+        if config.batch_size != "auto":
+            hyperparameters["batch_size"] = config.batch_size
+        turns = getattr(config, "assistant_turns", "all")  # openpipe-art 0.5.23
+        if turns != "all":
+            hyperparameters["assistant_turns"] = turns
+        submitted = await self.client.training_jobs.create(
+            model=model.name,
+            method="sft",
+            examples=[_sft_example(trajectory) for trajectory in trajectories],
+            hyperparameters=hyperparameters,
+            metadata=self.metadata or None,
         )
+        log.info("model %s: SFT job %s submitted", model.name, submitted.id)
+        async for event in self.client.training_jobs.events(submitted.id, timeout=self.timeout):
+            if event.type == "gradient_step":
+                yield _numbers(event.data.get("metrics") or {})
+        job = await self.client.training_jobs.get(submitted.id)
+        if job.status != JobStatus.succeeded:
+            raise JobFailedError(job)
 
     async def _delete_checkpoint_files(
         self, model: art.TrainableModel[Any, Any], steps_to_keep: list[int]
@@ -231,6 +255,15 @@ def _numbers(metrics: Mapping[str, Any]) -> dict[str, float]:
         if math.isfinite(value):
             numbers[key] = float(value)
     return numbers
+
+
+def _sft_example(trajectory: art.Trajectory) -> dict[str, Any]:
+    """An SFT example of an ART trajectory: its messages (a Choice as its message), and
+    the tools it offered."""
+    example: dict[str, Any] = {"messages": [dict(m) for m in trajectory.messages()]}
+    if trajectory.tools:
+        example["tools"] = [dict(tool) for tool in trajectory.tools]
+    return example
 
 
 def _log_progress(progress: Progress) -> None:

@@ -148,6 +148,7 @@ class Backend(_Wire):
     description: str
     hyperparameters: dict[str, Any]
     config: dict[str, Any]
+    methods: dict[str, dict[str, Any]] = {}
 
 
 class Checkpoint(_Wire):
@@ -238,8 +239,21 @@ class _Job(_Ends):
     waiting_for: str | None = None
 
 
+class SftSummary(_Wire):
+    method: str = "sft"
+    num_examples: int
+    num_target_turns: int
+    dataset: str | None = None
+
+
+class DpoSummary(_Wire):
+    method: str = "dpo"
+    num_pairs: int
+
+
 class TrainingJob(_Job):
-    summary: TrajectorySummary
+    method: str = "rl"
+    summary: TrajectorySummary | SftSummary | DpoSummary
     hyperparameters: dict[str, Any]
     policy_step: int | None
     max_steps_off_policy: int | None
@@ -275,7 +289,7 @@ class RunProgress(_Wire):
     epoch: int
     epochs: int | None
     percent: float
-    phase: str  # queued, rollout, training, validation, paused, done
+    phase: str  # queued, warmup, rollout, training, validation, paused, done
     eta_seconds: float | None
 
 

@@ -233,7 +233,9 @@ MAX_TRAJECTORIES_READ = 2000
 def _data_reward(client: Trainyard, job: AnyJob) -> float | None:
     """A training job's reward: the mean reward of the trajectories it trains on (read
     once, for a job of up to MAX_TRAJECTORIES_READ; trainers seldom report one)."""
-    if not isinstance(job, m.TrainingJob) or job.summary.num_trajectories > MAX_TRAJECTORIES_READ:
+    if not isinstance(job, m.TrainingJob) or not isinstance(job.summary, m.TrajectorySummary):
+        return None  # not a job of rewarded trajectories (an SFT or DPO job)
+    if job.summary.num_trajectories > MAX_TRAJECTORIES_READ:
         return None
     groups = client.training_jobs.trajectories(job.id).get("groups") or []
     rewards = [

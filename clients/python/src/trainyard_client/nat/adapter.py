@@ -117,7 +117,14 @@ class TrainyardTrainerAdapter(TrainerAdapter):
                 f"model `{config.model}` is on backend `{model.backend}`, which the server "
                 f"does not list ({', '.join(sorted(backends))})"
             )
-        problems = check_hyperparameters(backend.hyperparameters, config.hyperparameters)
+        schema = backend.hyperparameters if config.method == "rl" else None
+        schema = schema or backend.methods.get(config.method)
+        if schema is None:
+            raise ValueError(
+                f"model `{config.model}` is on backend `{backend.name}`, which does not "
+                f"train with `{config.method}`"
+            )
+        problems = check_hyperparameters(schema, config.hyperparameters)
         if problems:
             raise ValueError(
                 f"hyperparameters of the trainer adapter are not accepted by backend "
@@ -171,6 +178,8 @@ class TrainyardTrainerAdapter(TrainerAdapter):
             try:
                 job = await client.training_jobs.create(
                     model=config.model,
+                    # NAT's DPO trajectory builder emits DPO items: a DPO job trains them.
+                    method="dpo" if _holds_dpo_items(collection) else _method(config),
                     collection=collection,
                     hyperparameters=config.hyperparameters,
                     metadata=metadata,
@@ -181,13 +190,16 @@ class TrainyardTrainerAdapter(TrainerAdapter):
                 raise
         self._jobs.setdefault(run_id, []).append(job.id)
         summary = job.summary
-        logger.info(
-            "Trainyard job %s: %d groups, %d trajectories (%d groups trainable)",
-            job.id,
-            summary.num_groups,
-            summary.num_trajectories,
-            summary.num_trainable_groups,
-        )
+        if isinstance(summary, m.TrajectorySummary):
+            logger.info(
+                "Trainyard job %s: %d groups, %d trajectories (%d groups trainable)",
+                job.id,
+                summary.num_groups,
+                summary.num_trajectories,
+                summary.num_trainable_groups,
+            )
+        else:
+            logger.info("Trainyard %s job %s: %s", job.method, job.id, summary.model_dump())
         return TrainingJobRef(
             run_id=run_id,
             backend=BACKEND,
@@ -308,9 +320,8 @@ class TrainyardTrainerAdapter(TrainerAdapter):
             "job_id": job.id,
             "trainyard_status": job.status,
             "model": job.model,
-            "num_groups": job.summary.num_groups,
-            "num_trajectories": job.summary.num_trajectories,
-            "num_trainable_groups": job.summary.num_trainable_groups,
+            "method": job.method,
+            **job.summary.model_dump(exclude={"method"}),
         }
         if result is not None:
             metadata.update(
@@ -327,3 +338,18 @@ class TrainyardTrainerAdapter(TrainerAdapter):
             message=f"Trainyard job {job.id} {message}",
             metadata=metadata,
         )
+
+
+def _holds_dpo_items(collection: dict[str, Any]) -> bool:
+    """Whether a NAT collection's episodes are DPO items (`prompt`, `chosen_response`,
+    `rejected_response`), as NAT's DPO trajectory builder emits them."""
+    return any(
+        isinstance(item, dict) and "chosen_response" in item and "role" not in item
+        for group in collection["trajectories"]
+        for trajectory in group
+        for item in trajectory.get("episode") or []
+    )
+
+
+def _method(config: TrainyardTrainerAdapterConfig) -> str | None:
+    return None if config.method == "rl" else config.method

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from nat.data_models.finetuning import TrainerAdapterConfig
 from pydantic import Field, SecretStr
@@ -31,10 +31,16 @@ class TrainyardTrainerAdapterConfig(TrainerAdapterConfig, name="trainyard_traine
         default=None, description="An API key of the server (default: TRAINYARD_API_KEY)."
     )
     model: str = Field(description="The Trainyard model to train (`GET /v1/models`).")
+    method: Literal["rl", "dpo"] = Field(
+        default="rl",
+        description="`rl`: each epoch's trajectories train one RL step. `dpo`: they are "
+        "DPO items (NAT's DPO trajectory builder) and train one DPO step; a collection of "
+        "DPO items is sent as a DPO job whatever this says.",
+    )
     hyperparameters: dict[str, Any] = Field(
         default_factory=dict,
-        description="Training keywords of the model's backend (`GET /v1/backends`), checked "
-        "when the adapter starts, before any rollout.",
+        description="Training keywords of the model's backend for `method` (`GET "
+        "/v1/backends`), checked when the adapter starts, before any rollout.",
     )
     metadata: dict[str, str | int | float | bool] = Field(
         default_factory=dict,
