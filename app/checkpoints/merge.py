@@ -399,7 +399,10 @@ class MergedExport:
             at = tensor.start + i * row_bytes
             raw = bytearray(_pread(member.handle, at, (j - i) * row_bytes))
             weight = torch.frombuffer(raw, dtype=dtype).reshape(j - i, cols)
-            weight.copy_(weight.to(compute) + op.scale * (b[i:j] @ a))
+            if dtype == compute:  # in place, one fused call: no temporaries
+                weight.addmm_(b[i:j], a, alpha=op.scale)
+            else:  # rounded once, after the sum
+                weight.copy_(weight.to(compute).addmm_(b[i:j], a, alpha=op.scale))
             yield bytes(raw)
 
 
