@@ -245,3 +245,45 @@ def test_what_cannot_be_merged_is_refused_before_a_byte(tiny_model, tmp_path) ->
     narrower = make_tiny_model(tmp_path / "narrower", hidden_size=32)
     _adapter(narrower, tmp_path / "narrow", r=4, target_modules=["q_proj"])
     assert "does not fit" in str(_refusal(other, tmp_path / "narrow"))
+
+
+class _ArtLocal:
+    """Where ART's LocalBackend keeps checkpoints (`_path`), and nothing else of it: the
+    registry reads its checkpoints from disk and never calls it."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = str(path)
+
+    async def close(self) -> None:
+        return None
+
+
+async def test_art_local_checkpoints_merge_when_the_base_is_a_local_directory(
+    serve, tiny_model, tmp_path
+) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    art = tmp_path / "art"
+    overrides = {"art-local": _ArtLocal(art)}
+    async with serve(backend_overrides=overrides, model_roots=[tiny_model.parent]) as live:
+        for name, base in (("local", str(tiny_model)), ("hub", "Qwen/Qwen2.5-0.5B-Instruct")):
+            body = {"name": name, "project": "p", "base_model": base, "backend": "art-local"}
+            assert (await live.client.post("/v1/models", json=body)).status_code == 201
+            # as ART's LocalBackend lays a step out: {art_path}/{project}/models/{name}/...
+            _adapter(tiny_model, art / "p" / "models" / name / "checkpoints" / "0001", r=4,
+                     target_modules=["q_proj", "v_proj"])  # fmt: skip
+        response = await live.client.get(
+            "/v1/models/local/checkpoints/1/export", params={"format": "merged"}
+        )
+        assert response.status_code == 200, response.text
+        hub = await live.client.get("/v1/models/hub/checkpoints/1/export?format=merged")
+        problem = _refused(hub, "base-not-local")
+        assert "Qwen/Qwen2.5-0.5B-Instruct" in problem["detail"]
+
+    _untar(response.content, tmp_path / "out")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "local-step0001-merged")
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, local_files_only=True)
+    step = art / "p" / "models" / "local" / "checkpoints" / "0001"
+    with_adapter = _logits(PeftModel.from_pretrained(base, step))
+    assert _logits(merged).allclose(with_adapter, atol=1e-4, rtol=1e-4)
