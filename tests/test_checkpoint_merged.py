@@ -287,3 +287,39 @@ async def test_art_local_checkpoints_merge_when_the_base_is_a_local_directory(
     step = art / "p" / "models" / "local" / "checkpoints" / "0001"
     with_adapter = _logits(PeftModel.from_pretrained(base, step))
     assert _logits(merged).allclose(with_adapter, atol=1e-4, rtol=1e-4)
+
+
+def _open_under(directory: Path) -> list[str]:
+    """This process's open files under `directory` (the server runs in it)."""
+    opened = []
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            target = fd.readlink()
+        except OSError:  # closed meanwhile
+            continue
+        if target.is_relative_to(directory):
+            opened.append(str(target))
+    return opened
+
+
+async def test_a_client_that_goes_away_mid_export_leaves_no_file_open(
+    serve, tiny_model, tmp_path
+) -> None:
+    import asyncio
+
+    async with serve(worker_enabled=True, model_roots=[tiny_model.parent]) as live:
+        await _register(live.client, tiny_model)
+        await _train(live)
+        url = "/v1/models/toy/checkpoints/1/export?format=merged"
+        async with live.client.stream("GET", url) as response:
+            assert response.status_code == 200
+            async for _ in response.aiter_raw(1024):
+                assert _open_under(tiny_model)  # the export holds the base's files
+                break
+        for _ in range(200):
+            if not _open_under(tiny_model) and not _open_under(tmp_path / "data"):
+                break
+            await asyncio.sleep(0.05)
+        assert _open_under(tiny_model) == [] and _open_under(tmp_path / "data") == []
+        whole = await live.client.get(url)  # and the next export is whole
+        assert int(whole.headers["content-length"]) == len(whole.content)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncGenerator, Iterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query, Request, Response
 from fastapi.responses import StreamingResponse
+from starlette.concurrency import iterate_in_threadpool
+from starlette.types import Receive, Scope, Send
 
 from app.api.body import Reading, json_body, read_json
 from app.api.deps import Session
@@ -44,6 +47,34 @@ Limit = Annotated[int, Query(ge=1, le=100)]
 NO_LOCAL = (
     "The model's backend keeps no checkpoints on this machine (art-serverless), or cannot run here"
 )
+
+
+class ClosingStream(StreamingResponse):
+    """Streams a synchronous iterator from threads, and closes it however the answer ends:
+    a client gone mid-stream leaves Starlette's iteration suspended, never finished, and
+    the export's open files (a whole model's shards) waiting for the garbage collector."""
+
+    def __init__(self, chunks: Iterator[bytes], **kwargs: Any) -> None:
+        self._closing = _closing(chunks)
+        super().__init__(self._closing, **kwargs)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._closing.aclose()
+
+
+async def _closing(chunks: Iterator[bytes]) -> AsyncGenerator[bytes]:
+    try:
+        async for chunk in iterate_in_threadpool(chunks):
+            yield chunk
+    finally:
+        # No thread runs it now (a cancelled `iterate_in_threadpool` waits for its thread),
+        # and a generator's close is quick: it closes files.
+        close = getattr(chunks, "close", None)
+        if close is not None:
+            close()
 
 
 def _backends(request: Request) -> Backends:
@@ -167,7 +198,7 @@ async def export_checkpoint(
     headers = {"Content-Disposition": f'attachment; filename="{export.filename}"'}
     if export.size is not None:
         headers["Content-Length"] = str(export.size)
-    return StreamingResponse(export.chunks, media_type=service.ARCHIVE_MEDIA_TYPE, headers=headers)
+    return ClosingStream(export.chunks, media_type=service.ARCHIVE_MEDIA_TYPE, headers=headers)
 
 
 @router.get(
