@@ -323,3 +323,11 @@ async def test_a_client_that_goes_away_mid_export_leaves_no_file_open(
         assert _open_under(tiny_model) == [] and _open_under(tmp_path / "data") == []
         whole = await live.client.get(url)  # and the next export is whole
         assert int(whole.headers["content-length"]) == len(whole.content)
+        head = await live.client.head(url)  # its headers, the merge planned but never run
+        assert (head.status_code, head.content) == (200, b"")
+        assert head.headers["content-length"] == whole.headers["content-length"]
+        for _ in range(200):
+            if not _open_under(tiny_model):
+                break
+            await asyncio.sleep(0.05)
+        assert _open_under(tiny_model) == []

@@ -256,8 +256,10 @@ def _operations(
     for target, op in ops.items():
         file = base[target]
         _itemsize(file, target)
-        if isinstance(op, Replace) and adapter.tensors[op.key].shape != file.tensors[target].shape:
-            raise _unmergeable(f"the adapter's {op.key!r} does not have {target!r}'s shape")
+        if isinstance(op, Replace):
+            _itemsize(adapter, op.key)
+            if adapter.tensors[op.key].shape != file.tensors[target].shape:
+                raise _unmergeable(f"the adapter's {op.key!r} does not have {target!r}'s shape")
     return ops
 
 
@@ -287,7 +289,7 @@ def _base_files(base: Path, roots: Sequence[Path]) -> tuple[list[Path], list[str
             shards = sorted(set(weight_map.values()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise _unmergeable(f"the base model's {INDEX} cannot be read") from exc
-        if not all(isinstance(s, str) and s == Path(s).name and s != ".." for s in shards):
+        if not all(isinstance(s, str) and s and s == Path(s).name != ".." for s in shards):
             raise _unmergeable(f"the base model's {INDEX} names a shard outside its directory")
     elif (base / SINGLE).is_file():
         shards = [SINGLE]
@@ -300,6 +302,7 @@ def _base_files(base: Path, roots: Sequence[Path]) -> tuple[list[Path], list[str
         for entry in base.iterdir()
         if not entry.name.startswith(".")
         and not entry.name.endswith(OTHER_WEIGHTS)
+        and entry.name not in shards
         and entry.is_file()
     )
     return small, shards
@@ -370,17 +373,23 @@ class MergedExport:
         for tensor, op in member.ops:  # in the file's order
             yield from _copy(member.handle, at, tensor.start)
             if isinstance(op, Replace):
-                yield from self._replace(member, tensor, op)
+                yield from self._replace(tensor, op)
             else:
                 yield from self._merge(member, tensor, op)
             at = tensor.end
         yield from _copy(member.handle, at, member.size)
 
-    def _replace(self, member: Member, tensor: Tensor, op: Replace) -> Iterator[bytes]:
+    def _replace(self, tensor: Tensor, op: Replace) -> Iterator[bytes]:
+        """The adapter's tensor in the base's dtype, `CHUNK` bytes of it at a time."""
         import torch
 
-        whole = _load(self.adapter, op.key).to(_dtype(tensor.dtype)).contiguous()
-        yield whole.view(torch.uint8).numpy().tobytes() if whole.numel() else b""
+        source = self.adapter.tensors[op.key]
+        itemsize = FLOATS[source.dtype]
+        step = max(1, CHUNK // itemsize) * itemsize
+        for at in range(source.start, source.end, step):
+            raw = bytearray(_pread(self.adapter.handle, at, min(step, source.end - at)))
+            part = torch.frombuffer(raw, dtype=_dtype(source.dtype)).to(_dtype(tensor.dtype))
+            yield part.view(torch.uint8).numpy().tobytes()
 
     def _merge(self, member: Member, tensor: Tensor, op: Lora) -> Iterator[bytes]:
         import torch
