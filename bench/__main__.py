@@ -11,6 +11,7 @@ from bench import (
     cpu_step,
     fanout,
     ingest,
+    merged_export,
     pool,
     queue,
     reads,
@@ -33,6 +34,7 @@ def main() -> None:
     asyncio.run(fanout.run())
     asyncio.run(runs.run())
     checkpoints.run()
+    merged_export.run()
     abandoned.run()
     pool.run()
     asyncio.run(webhooks_fair.run())

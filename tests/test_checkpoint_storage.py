@@ -255,6 +255,55 @@ async def test_the_registry_lists_deletes_and_exports_through_the_store(
         assert sorted(writer.steps(model)) == [0, 4]
 
 
+@pytest.mark.torch
+async def test_a_merged_export_reads_its_step_through_the_store(
+    serve, s3_endpoint, bucket, tmp_path
+) -> None:
+    """One process writes a step to the store; another, whose cache lacks it, exports it
+    merged into the base model (the base is local to both)."""
+    import shutil
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from app.backends.tiny_model import make_tiny_model
+    from tests.test_checkpoint_merged import _adapter, _logits, _untar
+
+    tiny = make_tiny_model(tmp_path / "models" / "tiny")
+    adapter = tmp_path / "adapter"
+    _adapter(tiny, adapter, r=4, target_modules=["q_proj", "o_proj"])
+    shared = {
+        "checkpoint_url": f"s3://{bucket}/trainyard",
+        "checkpoint_s3_endpoint": s3_endpoint,
+        "checkpoint_s3_region": "us-east-1",
+        "model_roots": [tiny.parent],
+        **KEYS,
+    }
+    async with (
+        serve(data_dir=tmp_path / "one", **shared) as one,
+        serve(data_dir=tmp_path / "two", **shared) as two,
+    ):
+        body = {"name": "dry", "base_model": str(tiny), "backend": "dry-run"}
+        assert (await one.client.post("/v1/models", json=body)).status_code == 201
+        backend = one.app.state.backends.get("dry-run")
+        writer = backend.backend
+        model = await backend.model(ModelSpec("dry", "default", str(tiny)))
+        with writer.writing(model, 1) as partial:
+            for name in ("adapter_config.json", "adapter_model.safetensors"):
+                shutil.copy(adapter / name, partial / name)
+        assert not (tmp_path / "two" / "checkpoint-cache" / "dry-run").exists()
+        exported = await two.client.get(
+            "/v1/models/dry/checkpoints/1/export", params={"format": "merged"}
+        )
+        assert exported.status_code == 200, exported.text
+
+    _untar(exported.content, tmp_path / "out")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "dry-step0001-merged")
+    base = AutoModelForCausalLM.from_pretrained(tiny, local_files_only=True)
+    with_adapter = _logits(PeftModel.from_pretrained(base, adapter))
+    assert _logits(merged).allclose(with_adapter, atol=1e-4, rtol=1e-4)
+
+
 def test_compose_workers_and_api_share_one_object_store(monkeypatch) -> None:
     """docker-compose.yml: every app service stores checkpoints in the `minio` service's
     bucket, which `minio-init` creates before any of them starts."""

@@ -15,6 +15,7 @@ import signal
 import struct
 import subprocess
 import sys
+import tarfile
 import termios
 import time
 from collections.abc import Callable
@@ -286,6 +287,11 @@ async def test_a_rollout_followed_into_its_training_job_and_a_run_with_its_curve
         def session() -> dict[str, Run]:
             rollout_file = str(tmp_path / "rollout.json")
             runs = {"rollout": run_cli("submit", rollout_file, "--watch", url=live.url)}
+            merged = str(tmp_path / "toy-merged.tar")
+            runs["export"] = run_cli(
+                "--json", "checkpoints", "export", "toy", "1", "--format", "merged", "-o", merged,
+                url=live.url,
+            )  # fmt: skip
             runs["upload"] = run_cli(
                 "--json",
                 "datasets",
@@ -323,6 +329,11 @@ async def test_a_rollout_followed_into_its_training_job_and_a_run_with_its_curve
     trained = jobs[-1]["id"]  # the first training job: the rollout's
     assert len(ended) == 2 and f"training job {trained}" in ended[0], printed
     assert ended[1].startswith(f"{trained} succeeded: model step 0 → 1")
+
+    exported = json.loads(runs["export"].out)
+    with tarfile.open(exported["path"]) as tar:  # the merged model's directory
+        assert "toy-step0001-merged/config.json" in tar.getnames()
+    assert exported["bytes"] == Path(exported["path"]).stat().st_size
 
     ran = runs["run"]
     assert ran.code == EXIT_OK, ran

@@ -14,6 +14,7 @@ import importlib.metadata
 import re
 import subprocess
 import sys
+import tarfile
 import textwrap
 import time
 from collections.abc import Callable
@@ -207,6 +208,14 @@ def _every_operation(url: str, tiny: Path, workdir: Path) -> set[str]:
         exported = workdir / "toy.zip"
         assert client.checkpoints.export("toy", 1, exported, format="zip") > 0
         assert exported.read_bytes().startswith(b"PK")
+        merged = workdir / "toy-merged.tar"
+        size = client.checkpoints.export("toy", 1, merged, format="merged")
+        with tarfile.open(merged) as tar:  # the base with the step merged in
+            names = tar.getnames()
+        assert size == merged.stat().st_size
+        assert {"toy-step0001-merged/config.json", "toy-step0001-merged/model.safetensors"} <= {
+            *names
+        }
         assert [r.id for r in client.rollout_jobs.list(model="toy").data] == [rollout.id]
         assert client.rollout_jobs.list_events(rollout.id).data[0].type == "job_queued"
         assert list(client.rollout_jobs.events(rollout.id))[-1].type == "rollout_ended"

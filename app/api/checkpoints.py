@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncGenerator, Iterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query, Request, Response
 from fastapi.responses import StreamingResponse
+from starlette.concurrency import iterate_in_threadpool
+from starlette.types import Receive, Scope, Send
 
 from app.api.body import Reading, json_body, read_json
 from app.api.deps import Session
 from app.backends import Backends
-from app.checkpoints import disk, service
+from app.checkpoints import service
 from app.schemas.checkpoints import (
     ALIAS_PATTERN,
     BUILTIN_ALIASES,
@@ -44,6 +47,34 @@ Limit = Annotated[int, Query(ge=1, le=100)]
 NO_LOCAL = (
     "The model's backend keeps no checkpoints on this machine (art-serverless), or cannot run here"
 )
+
+
+class ClosingStream(StreamingResponse):
+    """Streams a synchronous iterator from threads, and closes it however the answer ends:
+    a client gone mid-stream leaves Starlette's iteration suspended, never finished, and
+    the export's open files (a whole model's shards) waiting for the garbage collector."""
+
+    def __init__(self, chunks: Iterator[bytes], **kwargs: Any) -> None:
+        self._closing = _closing(chunks)
+        super().__init__(self._closing, **kwargs)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._closing.aclose()
+
+
+async def _closing(chunks: Iterator[bytes]) -> AsyncGenerator[bytes]:
+    try:
+        async for chunk in iterate_in_threadpool(chunks):
+            yield chunk
+    finally:
+        # No thread runs it now (a cancelled `iterate_in_threadpool` waits for its thread),
+        # and a generator's close is quick: it closes files.
+        close = getattr(chunks, "close", None)
+        if close is not None:
+            close()
 
 
 def _backends(request: Request) -> Backends:
@@ -115,14 +146,18 @@ async def delete_checkpoint(name: Name, step: Step, request: Request, session: S
 @router.get(
     "/{name}/checkpoints/{step}/export",
     name="export",
-    summary="Download a checkpoint's LoRA adapter for PEFT",
+    summary="Download a checkpoint: its LoRA adapter for PEFT, or merged into its base model",
     response_class=StreamingResponse,
     responses={
         200: {
-            "description": "A tar.gz or zip archive (`Content-Disposition` names the file: "
-            "`{name}-step{NNNN}.tar.gz` or `.zip`) of one folder, `{name}-step{NNNN}/`, "
+            "description": "`tar.gz` or `zip`: an archive (`Content-Disposition` names the "
+            "file: `{name}-step{NNNN}.tar.gz` or `.zip`) of one folder, `{name}-step{NNNN}/`, "
             "holding `adapter_config.json` and `adapter_model.safetensors`: "
-            "`PeftModel.from_pretrained(base_model, folder)` loads it.",
+            "`PeftModel.from_pretrained(base_model, folder)` loads it. `merged`: a tar "
+            "(`{name}-step{NNNN}-merged.tar`, with a `Content-Length`) of one folder, "
+            "`{name}-step{NNNN}-merged/`: the base model's directory (config, tokenizer, "
+            "safetensors shards) with the adapter merged into its weights: "
+            "`AutoModelForCausalLM.from_pretrained(folder)` loads it.",
             "content": {
                 service.ARCHIVE_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}
             },
@@ -132,7 +167,9 @@ async def delete_checkpoint(name: Name, step: Step, request: Request, session: S
             409,
             422,
             conflict="The checkpoint holds no adapter (dry-run), or the backend keeps no "
-            "checkpoints here",
+            "checkpoints here; `merged` only: the base model is not a local directory under "
+            "the model roots (`base-not-local`), or the adapter or the base cannot take a "
+            "merge (`not-mergeable`: DoRA, a quantized base, no safetensors weights)",
         ),
     },
 )
@@ -141,15 +178,27 @@ async def export_checkpoint(
     step: Step,
     request: Request,
     session: Session,
-    format: Annotated[ExportFormat, Query(description="Archive format.")] = "tar.gz",
+    format: Annotated[
+        ExportFormat,
+        Query(
+            description="`tar.gz` or `zip`: the adapter; `merged`: the base model with the "
+            "adapter merged in, as a tar"
+        ),
+    ] = "tar.gz",
 ) -> StreamingResponse:
-    export = await service.export(session, _backends(request), name=name, step=step, fmt=format)
-    await session.close()  # nothing from the database while the archive streams
-    return StreamingResponse(
-        disk.chunks(export.file),
-        media_type=service.ARCHIVE_MEDIA_TYPE,
-        headers={"Content-Disposition": f'attachment; filename="{export.filename}"'},
+    export = await service.export(
+        session,
+        _backends(request),
+        name=name,
+        step=step,
+        fmt=format,
+        model_roots=request.app.state.settings.allowed_model_roots(),
     )
+    await session.close()  # nothing from the database while the archive streams
+    headers = {"Content-Disposition": f'attachment; filename="{export.filename}"'}
+    if export.size is not None:
+        headers["Content-Length"] = str(export.size)
+    return ClosingStream(export.chunks, media_type=service.ARCHIVE_MEDIA_TYPE, headers=headers)
 
 
 @router.get(

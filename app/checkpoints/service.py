@@ -27,11 +27,11 @@ import asyncio
 import logging
 import math
 from collections import defaultdict
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Literal
+from typing import Any, Literal
 
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
@@ -39,7 +39,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from app.backends import Backends
 from app.backends.base import BackendError, ModelSpec, TrainerAdapter
 from app.backends.checkpoints import CheckpointDirs
-from app.checkpoints import disk
+from app.backends.cpu import base_model_refusal
+from app.checkpoints import disk, merge
 from app.db import begin_write
 from app.errors import (
     ConflictError,
@@ -85,7 +86,17 @@ class NoAdapterError(ConflictError):
     slug = "no-adapter"
 
 
-def _error(location: Literal["path", "body"], path: str, message: str, kind: str) -> FieldError:
+class BaseNotLocalError(ConflictError):
+    slug = "base-not-local"
+
+
+class NotMergeableError(ConflictError):
+    slug = "not-mergeable"
+
+
+def _error(
+    location: Literal["path", "body", "query"], path: str, message: str, kind: str
+) -> FieldError:
     return FieldError(location=location, path=path, message=message, type=kind)
 
 
@@ -609,14 +620,23 @@ async def _with_policy(engine: AsyncEngine, name: str) -> bool:
 @dataclass(frozen=True)
 class Export:
     filename: str
-    file: IO[bytes]
+    chunks: Iterator[bytes]
+    size: int | None = None  # known up front: the merged tar's
 
 
 async def export(
-    session: AsyncSession, backends: Backends, *, name: str, step: int, fmt: ExportFormat
+    session: AsyncSession,
+    backends: Backends,
+    *,
+    name: str,
+    step: int,
+    fmt: ExportFormat,
+    model_roots: Sequence[Path],
 ) -> Export:
     """The step's adapter (adapter_config.json + adapter_model.safetensors, no optimizer
-    state) in a `{name}-step{NNNN}/` folder of a tar.gz or zip archive."""
+    state) in a `{name}-step{NNNN}/` folder of a tar.gz or zip archive; `merged`: the base
+    model with the adapter merged in, a Hugging Face directory `{name}-step{NNNN}-merged/`
+    in a tar (`app.checkpoints.merge`; the base must be under `model_roots`)."""
     place, on_disk = await _locate(session, backends, name)
     if step not in on_disk:
         raise NotFoundError(f"no checkpoint of step {step}", errors=[_missing_step(name, step)])
@@ -631,5 +651,35 @@ async def export(
             errors=[_error("path", "step", "no adapter in this checkpoint", "no_adapter")],
         )
     folder = f"{name}-step{step:04d}"
+    if fmt == "merged":
+        for _, handle in files:
+            handle.close()
+        return await _merged(place, local, folder, model_roots)
     archive = await asyncio.to_thread(disk.archive, folder, files, fmt)
-    return Export(f"{folder}.{fmt}", archive)
+    return Export(f"{folder}.{fmt}", disk.chunks(archive))
+
+
+async def _merged(place: Place, local: Path, folder: str, roots: Sequence[Path]) -> Export:
+    base = place.spec.base_model
+    refusal = base_model_refusal(base, roots)
+    if refusal is None and not await asyncio.to_thread(Path(base).is_dir):
+        refusal = "is not a directory"
+    if refusal is not None:
+        raise BaseNotLocalError(
+            f"the base model {base!r} of {place.row.name!r} ({place.row.backend}) is not a local "
+            f"directory this server may read: it {refusal}. A merge needs the base's weights "
+            "here; `format=tar.gz` exports the adapter alone",
+            errors=[_error("query", "format", "the base model is not local", "base_not_local")],
+        )
+    folder = f"{folder}-merged"
+    try:
+        planned = await asyncio.to_thread(
+            merge.plan, base=Path(base), adapter_dir=local, folder=folder, roots=roots
+        )
+    except merge.Refusal as exc:
+        kind = BaseNotLocalError if exc.kind == "base-not-local" else NotMergeableError
+        raise kind(
+            f"step {local.name} of {place.row.name!r} cannot be merged into its base: {exc}",
+            errors=[_error("query", "format", str(exc), exc.kind.replace("-", "_"))],
+        ) from exc
+    return Export(f"{folder}.tar", planned.chunks(), planned.size)

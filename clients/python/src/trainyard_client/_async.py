@@ -238,8 +238,9 @@ class Checkpoints(_Resource):
     async def export(
         self, model: str, step: int, to: str | Path | IO[bytes], *, format: str = "tar.gz"
     ) -> int:
-        """Write the step's LoRA adapter archive (`tar.gz` or `zip`) to a path or a binary
-        file; returns the bytes written."""
+        """Write the step's LoRA adapter archive (`tar.gz` or `zip`), or with `merged` the
+        base model with the adapter merged in (a Hugging Face directory in a tar), to a path
+        or a binary file; returns the bytes written."""
         call = calls.checkpoints_export(model, step, format=format)
         response = await self._client._open(call)
         written = 0

@@ -205,12 +205,23 @@ def build_parser() -> argparse.ArgumentParser:
     _common(get, top=False)
     get.add_argument("model")
     get.add_argument("step", type=int)
-    export = actions.add_parser("export", help="download the step's LoRA adapter")
+    export = actions.add_parser(
+        "export", help="download the step's LoRA adapter, or the base model with it merged in"
+    )
     _common(export, top=False)
     export.add_argument("model")
     export.add_argument("step", type=int)
-    export.add_argument("--format", choices=["tar.gz", "zip"], default="tar.gz")
-    export.add_argument("-o", "--output", help="file to write (default: MODEL-stepNNNN.FORMAT)")
+    export.add_argument(
+        "--format",
+        choices=["tar.gz", "zip", "merged"],
+        default="tar.gz",
+        help="tar.gz or zip: the adapter; merged: the merged model's directory in a tar",
+    )
+    export.add_argument(
+        "-o",
+        "--output",
+        help="file to write (default: MODEL-stepNNNN.FORMAT, MODEL-stepNNNN-merged.tar)",
+    )
     checkpoints.set_defaults(run=c.cmd_checkpoints)
 
     datasets = command("datasets", "upload, list, show or delete datasets (JSON Lines)")

@@ -264,7 +264,8 @@ def cmd_checkpoints(out: Output, client: Trainyard, args: argparse.Namespace) ->
             out.table(["step", "aliases", "job", "bytes", "created"], rows, title)
         return EXIT_OK
     if args.action == "export":
-        target = args.output or f"{args.model}-step{args.step:04d}.{args.format}"
+        suffix = "-merged.tar" if args.format == "merged" else f".{args.format}"
+        target = args.output or f"{args.model}-step{args.step:04d}{suffix}"
         size = client.checkpoints.export(args.model, args.step, target, format=args.format)
         if out.json:
             out.data({"path": str(target), "bytes": size})
