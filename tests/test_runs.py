@@ -260,6 +260,7 @@ async def test_a_runs_settings_are_its_request_with_defaults_and_no_secrets(serv
     assert shown["dataset"]["id"] == dataset["id"]
     assert (shown["num_train"], shown["num_validation"]) == (2, 1)
     assert shown["early_stopping"] is None and shown["max_steps_off_policy"] == 0
+    assert shown["start_step"] is None  # no worker here: it has not started
     assert missing.status_code == 404
     assert missing.headers["content-type"] == "application/problem+json"
 

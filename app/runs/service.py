@@ -318,7 +318,7 @@ async def metrics(
 
 async def run_settings(session: AsyncSession, run_id: str) -> RunSettings:
     """A run's settings from its stored spec (what the dashboard compares side by side)."""
-    job = await get_job(session, run_id, kind=RUN)
+    job, run = await get_run(session, run_id)
     await session.refresh(job, ["payload"])
     payload = Payload(job.payload_format, job.payload, job.payload_bytes)
     if payload.size > THREAD_BYTES:  # inline examples: decoded off the event loop
@@ -338,6 +338,7 @@ async def run_settings(session: AsyncSession, run_id: str) -> RunSettings:
         early_stopping=_dump(stored.early_stopping),
         curriculum=_dump(stored.curriculum),
         max_steps_off_policy=stored.max_steps_off_policy,
+        start_step=decode_state(run.state).start_step,
     )
 
 

@@ -297,6 +297,10 @@ class RunSettings(BaseModel):
     early_stopping: dict[str, Any] | None
     curriculum: dict[str, Any] | None
     max_steps_off_policy: int
+    start_step: int | None = Field(
+        description="The model's step when the run started (null until then): its step 0. "
+        "A step's row in `/metrics` counts the run's steps, a validation's the model's."
+    )
 
 
 class RunMetric(BaseModel):

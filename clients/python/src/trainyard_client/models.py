@@ -309,6 +309,7 @@ class RunSettings(_Wire):
     early_stopping: dict[str, Any] | None
     curriculum: dict[str, Any] | None
     max_steps_off_policy: int
+    start_step: int | None  # the model's step when the run started: its step 0
 
 
 class RunMetric(_Wire):
