@@ -121,6 +121,13 @@ def test_two_runs_picked_in_the_list_show_overlaid_curves_and_differing_settings
     page.refresh()
     wait(page, lambda d: _row(d, "schedule.max_steps") == ["3", "4"], "the comparison again")
     assert count(page, "#api-key") == 0 and KEY not in page.current_url
+    # A run's own page places them so too: the second run's baseline at its step 0.
+    page.get(f"{url}/dashboard/#/runs/{second}")
+    baseline = "[data-chart='reward'] [data-series='validation'] .point title"
+    first_tip = lambda d: (d.execute_script(tips, baseline) or [""])[0]  # noqa: E731
+    wait(page, lambda d: first_tip(d).startswith("validation score, step 0:"), "its baseline")
+    page.back()
+    wait(page, lambda d: _row(d, "schedule.max_steps") == ["3", "4"], "the comparison again")
     # On a phone: nothing wider than the screen (the settings table scrolls on its own).
     page.set_window_size(390, 844)
     wide = "return document.documentElement.scrollWidth - window.innerWidth"

@@ -3,7 +3,7 @@
 // whatever its submitter wrote.
 import {
   API, FINAL, KEY, LIST_SECONDS, Unauthorized, api, badge, details, facts, h, headers, json, link, metricsAfter, num, progressBar,
-  redraw, table, when,
+  redraw, runStep, table, when,
 } from "./base.js";
 import { lineChart } from "./chart.js";
 import { comparePage, runPicker } from "./compare.js";
@@ -217,13 +217,14 @@ function coalesce(fn, ms = 250) {
 const KNOWN = new Set(["reward_mean", "reward_std", "loss"]);
 const SKIP = /_id$|_ids$|^job/;
 
-function runCharts(rows) {
+function runCharts(rows, startStep) {
   const steps = rows.filter((r) => r.kind === "step");
   const validations = rows.filter((r) => r.kind === "validation");
-  const points = (list, key) => list.filter((r) => typeof r.data[key] === "number").map((r) => ({ x: r.step, y: r.data[key] }));
+  const points = (list, key) => list.filter((r) => typeof r.data[key] === "number").map((r) => ({ x: runStep(r, startStep), y: r.data[key] }));
   const band = steps.filter((r) => typeof r.data.reward_mean === "number")
     .map((r) => ({ x: r.step, lo: r.data.reward_mean - (r.data.reward_std || 0), hi: r.data.reward_mean + (r.data.reward_std || 0) }));
-  const domain = rows.length ? [Math.min(...rows.map((r) => r.step)), Math.max(...rows.map((r) => r.step))] : undefined;
+  const xs = rows.map((r) => runStep(r, startStep));
+  const domain = rows.length ? [Math.min(...xs), Math.max(...xs)] : undefined;
   const charts = [lineChart({ name: "reward", title: "Reward", domain, series: [
     { name: "reward_mean", label: "train reward (mean ± std)", points: points(steps, "reward_mean"), band },
     { name: "validation", label: "validation score", points: points(validations, "score") },
@@ -244,7 +245,7 @@ async function runPage(id, signal) {
   const section = h("section", { "data-page": "run" }, h("p", {}, link(["runs"], "← Runs")), head, h("h3", {}, "Curves"), charts,
     h("details", {}, h("summary", {}, "Events"), h("div", { class: "scroll" }, h("table", { class: "events" }, h("thead", {}, h("tr", {}, ["Seq", "Time", "Type", "Data"].map((t) => h("th", {}, t)))), log))));
   const rows = [];
-  let run = null, seq = 0;
+  let run = null, seq = 0, startStep = null;
   const refresh = coalesce(async () => {
     run = await api(base, { signal });
     const p = run.progress, live = !FINAL.has(run.status);
@@ -265,7 +266,9 @@ async function runPage(id, signal) {
     const page = await metricsAfter(base, seq, signal);
     rows.push(...page.rows);
     seq = page.seq;
-    charts.replaceChildren(...runCharts(rows));
+    // A validation is placed by the model step the run started from (known once it has).
+    if (startStep == null && rows.some((r) => r.kind === "validation")) startStep = (await api(`${base}/settings`, { signal })).start_step;
+    charts.replaceChildren(...runCharts(rows, startStep));
   }, 100);
   await Promise.all([refresh.now(), more.now()]);
   const onEvent = (event) => {

@@ -78,3 +78,8 @@ export async function metricsAfter(base, seq, signal) {
     if (!page.has_more) return { rows, seq };
   }
 }
+
+// A row's x on a run's curves: the run's step. A training step's row counts them; a
+// validation's names the model's step it sampled: the run's plus the step the model was
+// at when the run started (`start_step` of GET /v1/runs/{id}/settings).
+export const runStep = (row, startStep) => (row.kind === "validation" ? row.step - (startStep ?? 0) : row.step);

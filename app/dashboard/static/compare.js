@@ -2,7 +2,7 @@
 // colour per run, and their settings in one table, the values that differ marked. Read
 // from GET /v1/runs/{id}, its /settings and its /metrics; live runs are read again every
 // few seconds.
-import { FINAL, LIST_SECONDS, Unauthorized, api, badge, h, link, metricsAfter, num, table } from "./base.js";
+import { FINAL, LIST_SECONDS, Unauthorized, api, badge, h, link, metricsAfter, num, runStep, table } from "./base.js";
 import { lineChart } from "./chart.js";
 
 export const MAX_RUNS = 8; // a colour each: dashboard.css's --s0 … --s7
@@ -46,17 +46,13 @@ async function reload(entry, signal) {
 
 // ---------------------------------------------------------------- curves
 
-// x: the run's step. A step's row counts them; a validation's names the model's step it
-// sampled, which is the run's plus the step the model was at when the run started.
-const runStep = (r, m) => (m.kind === "validation" ? m.step - (r.settings.start_step ?? 0) : m.step);
-
 function charts(runs) {
-  const steps = runs.flatMap((r) => r.rows.map((m) => runStep(r, m)));
+  const steps = runs.flatMap((r) => r.rows.map((m) => runStep(m, r.settings.start_step)));
   const domain = steps.length ? [Math.min(...steps), Math.max(...steps)] : undefined;
   const series = (kind, key) => runs.map((r) => ({
     name: r.id,
     label: r.id,
-    points: r.rows.filter((m) => m.kind === kind && typeof m.data[key] === "number").map((m) => ({ x: runStep(r, m), y: m.data[key] })),
+    points: r.rows.filter((m) => m.kind === kind && typeof m.data[key] === "number").map((m) => ({ x: runStep(m, r.settings.start_step), y: m.data[key] })),
   }));
   return [
     lineChart({ name: "reward", title: "Train reward (mean)", domain, series: series("step", "reward_mean") }),
