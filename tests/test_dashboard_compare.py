@@ -76,6 +76,7 @@ def test_two_runs_picked_in_the_list_show_overlaid_curves_and_differing_settings
     click(page, "#compare")
     wait(page, lambda d: count(d, "[data-page='compare'] #settings tr"), "the comparison")
     assert page.current_url.endswith(f"#/compare?runs={first},{second}")
+    assert text(page, "nav a.here") == "Runs"
 
     def drawn(d: Any) -> bool:  # a point per row of each run's curves, in its colour
         for i, run_id in enumerate(two_runs):

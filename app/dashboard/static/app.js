@@ -307,7 +307,8 @@ async function render() {
   const [path, search] = (location.hash.slice(1) || "/runs").split("?");
   const query = new URLSearchParams(search || "");
   const parts = path.split("/").filter(Boolean).map(decodeURIComponent);
-  for (const a of document.querySelectorAll("nav a")) a.classList.toggle("here", a.getAttribute("href") === `#/${parts[0]}`);
+  const section = parts[0] === "compare" ? "runs" : parts[0]; // runs are compared from their list
+  for (const a of document.querySelectorAll("nav a")) a.classList.toggle("here", a.getAttribute("href") === `#/${section}`);
   document.getElementById("forget").hidden = !sessionStorage.getItem(KEY);
   main.replaceChildren(h("p", { class: "loading" }, "Loading…"));
   try {
