@@ -157,3 +157,22 @@ def test_a_link_to_a_run_that_is_not_there_says_so_after_the_key(browser, server
     # The only console errors: the 401 before the key and the 404 of the missing run.
     errors = [e["message"] for e in browser.get_log("browser") if e["level"] == "SEVERE"]
     assert all("status of 401" in m or "run_nope" in m for m in errors), errors
+
+
+def test_a_run_still_going_gains_points_in_the_comparison(page, server, two_runs) -> None:
+    url, client = server
+    body = run_body(3)
+    created = client.post("/v1/runs", json=body)
+    assert created.status_code == 202, created.text
+    going = created.json()["id"]
+    # Held (the child under way finishes) until the page is open, however fast it trains.
+    assert client.post(f"/v1/runs/{going}/pause").status_code == 200
+    page.get(f"{url}/dashboard/#/compare?runs={two_runs[0]},{going}")
+    points = f"[data-chart='reward'] [data-series='{going}'] .point"
+    wait(page, lambda d: count(d, "#settings tr"), "the comparison")
+    before = count(page, points)
+    assert before < 3
+    assert client.post(f"/v1/runs/{going}/resume").status_code == 200
+    wait(page, lambda d: count(d, points) == 3, "a point per step as they land", timeout=60)
+    wait(page, lambda d: _row(d, "steps")[1] == "3 of 3", "its steps")
+    wait(page, lambda d: _row(d, "status")[1] == "succeeded", "it ended", timeout=60)
