@@ -246,6 +246,9 @@ def _every_operation(url: str, tiny: Path, workdir: Path) -> set[str]:
         assert ran.status == "succeeded" and ran.progress.step == 1, ran.error
         assert (steps[-1].status, steps[-1].step, steps[-1].total) == ("succeeded", 1, 1)
         assert [r.kind for r in client.runs.metrics(run.id).data] == ["step"]
+        settings = client.runs.settings(run.id)
+        assert settings.schedule["max_steps"] == 1 and settings.recipe["num_generations"] == 2
+        assert settings.num_train == 2 and settings.start_step is not None
         assert [r.id for r in client.runs.iterate(model="toy")] == [run.id]
         assert client.runs.list_events(run.id).data[0].type == "job_queued"
         assert list(client.runs.events(run.id))[-1].type == "run_ended"

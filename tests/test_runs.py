@@ -244,6 +244,43 @@ async def test_bad_runs_are_422_with_paths_and_store_nothing(serve, change, path
     assert runs == []
 
 
+async def test_a_runs_settings_are_its_request_with_defaults_and_no_secrets(serve) -> None:
+    """What the dashboard compares side by side: the stored settings, defaults filled in,
+    hyper-parameters as the backend takes them; never a grader's headers or URL query."""
+    grader = {
+        "type": "webhook",
+        "url": "https://grader.example/score?token=s3cret",
+        "headers": {"Authorization": "Bearer s3cret"},
+    }
+    async with serve(worker_enabled=False) as live:
+        dataset = await upload(live.client, toy_lines(2, 1))
+        body = run_body(dataset["id"])
+        body["recipe"] = {**body["recipe"], "grader": grader}
+        created = await live.client.post("/v1/runs", json=body)
+        assert created.status_code == 202, created.text
+        response = await live.client.get(f"/v1/runs/{created.json()['id']}/settings")
+        missing = await live.client.get("/v1/runs/run_nope/settings")
+    assert response.status_code == 200, response.text
+    shown = response.json()
+    assert "s3cret" not in response.text and "headers" not in shown["recipe"]["grader"]
+    assert shown["recipe"]["grader"]["url"] == "https://grader.example/score?…"
+    assert shown["recipe"]["num_generations"] == 8 and shown["recipe"]["concurrency"] == 8
+    assert shown["schedule"] == {
+        "epochs": None,
+        "max_steps": 24,
+        "examples_per_step": 4,
+        "shuffle_seed": 7,
+    }
+    assert shown["hyperparameters"]["learning_rate"] == 0.05
+    assert shown["validation"]["every_steps"] == 3
+    assert shown["dataset"]["id"] == dataset["id"]
+    assert (shown["num_train"], shown["num_validation"]) == (2, 1)
+    assert shown["early_stopping"] is None and shown["max_steps_off_policy"] == 0
+    assert shown["start_step"] is None  # no worker here: it has not started
+    assert missing.status_code == 404
+    assert missing.headers["content-type"] == "application/problem+json"
+
+
 async def test_inline_examples_pause_resume_and_cancel_while_a_step_trains(serve) -> None:
     async with serve() as live:
         client = live.client

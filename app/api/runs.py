@@ -14,7 +14,7 @@ from app.jobs import service as jobs_service
 from app.jobs.lifecycle import JobKind, JobStatus
 from app.runs import service
 from app.schemas.common import Page, problem_responses
-from app.schemas.runs import RUN_PIECES, Run, RunCreate, RunMetric
+from app.schemas.runs import RUN_PIECES, Run, RunCreate, RunMetric, RunSettings
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"], responses=problem_responses(401))
 RUN = JobKind.run
@@ -142,6 +142,16 @@ async def metrics(
         has_more=has_more,
         next_cursor=str(items[-1].seq) if has_more and items else None,
     )
+
+
+@router.get(
+    "/{run_id}/settings",
+    response_model=RunSettings,
+    summary="A run's settings: recipe, schedule, hyper-parameters, validation (no examples)",
+    responses=problem_responses(404),
+)
+async def settings(run_id: JobId, session: Session) -> RunSettings:
+    return await service.run_settings(session, run_id)
 
 
 add_event_routes(router, RUN)

@@ -1,4 +1,4 @@
-"""The dashboard: a static page and two small scripts, served by the API itself at
+"""The dashboard: a static page and a few small scripts, served by the API itself at
 /dashboard/ (see docs/dashboard.md). The files hold no data: every figure they show comes
 from the `/v1` JSON API, fetched by the page with the key the person enters. So they are
 open without a key, like the API docs, and are never listed in the OpenAPI document."""
@@ -15,6 +15,8 @@ PREFIX = "/dashboard"
 TYPES = {
     "index.html": "text/html; charset=utf-8",
     "app.js": "text/javascript; charset=utf-8",
+    "base.js": "text/javascript; charset=utf-8",
+    "compare.js": "text/javascript; charset=utf-8",
     "chart.js": "text/javascript; charset=utf-8",
     "dashboard.css": "text/css; charset=utf-8",
 }

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from pydantic import BaseModel
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -25,6 +26,7 @@ from app.egress import EgressPolicy
 from app.errors import ConflictError, InvalidInputError, NotFoundError, field_errors
 from app.jobs.exclusive import ensure_model_free
 from app.jobs.lifecycle import JobKind, JobStatus, RunTransitionError, plan_pause, run_status
+from app.jobs.payloads import Payload
 from app.jobs.runs import apply_pause
 from app.jobs.service import enqueue_once, get_job, replay
 from app.jobs.store import new_job
@@ -42,6 +44,7 @@ from app.schemas.runs import (
     RunCreate,
     RunMetric,
     RunProgress,
+    RunSettings,
 )
 from app.settings import Settings
 from app.training import methods
@@ -331,6 +334,49 @@ async def metrics(
         for r in rows[:limit]
     ]
     return items, len(rows) > limit
+
+
+async def run_settings(session: AsyncSession, run_id: str) -> RunSettings:
+    """A run's settings from its stored spec (what the dashboard compares side by side)."""
+    job, run = await get_run(session, run_id)
+    await session.refresh(job, ["payload"])
+    payload = Payload(job.payload_format, job.payload, job.payload_bytes)
+    if payload.size > THREAD_BYTES:  # inline examples: decoded off the event loop
+        stored = await asyncio.to_thread(spec.decode, payload)
+    else:
+        stored = spec.decode(payload)
+    return RunSettings(
+        dataset=_dump(stored.dataset),
+        num_train=stored.num_train,
+        num_validation=stored.num_validation,
+        recipe=_shown(stored.recipe.model_dump(mode="json")),
+        schedule=stored.schedule.model_dump(mode="json"),
+        hyperparameters=stored.hyperparameters,
+        learning_rate_schedule=_dump(stored.learning_rate_schedule),
+        validation=_dump(stored.validation),
+        checkpoints=stored.checkpoints.model_dump(mode="json"),
+        early_stopping=_dump(stored.early_stopping),
+        curriculum=_dump(stored.curriculum),
+        max_steps_off_policy=stored.max_steps_off_policy,
+        start_step=decode_state(run.state).start_step,
+    )
+
+
+def _dump(part: BaseModel | None) -> dict[str, Any] | None:
+    return part.model_dump(mode="json") if part is not None else None
+
+
+def _shown(recipe: dict[str, Any]) -> dict[str, Any]:
+    """A recipe as a route may show it: a grader's or agent's `headers` are write-only
+    (credentials), and a URL's query may hold a token too."""
+    for part in ("grader", "agent"):
+        outbound = recipe.get(part)
+        if not isinstance(outbound, dict):
+            continue
+        outbound.pop("headers", None)
+        if isinstance(outbound.get("url"), str) and "?" in outbound["url"]:
+            outbound["url"] = outbound["url"].split("?", 1)[0] + "?…"
+    return recipe
 
 
 def to_wire(job: JobRow, run: RunRow) -> Run:

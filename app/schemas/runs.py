@@ -304,6 +304,29 @@ class Run(BaseModel):
     finished_at: datetime | None
 
 
+class RunSettings(BaseModel):
+    """What a run was asked to do, as it stores it: its request's settings with defaults
+    filled in and hyper-parameters normalized for the model's backend; not its examples,
+    and never a grader's or agent's `headers` (write-only) or its URL's query."""
+
+    dataset: dict[str, Any] | None = Field(description="`dataset` (null: inline examples).")
+    num_train: int = Field(description="Examples in the train split.")
+    num_validation: int = Field(description="Examples validations sample (0: none).")
+    recipe: dict[str, Any]
+    schedule: dict[str, Any]
+    hyperparameters: dict[str, Any]
+    learning_rate_schedule: dict[str, Any] | None
+    validation: dict[str, Any] | None
+    checkpoints: dict[str, Any]
+    early_stopping: dict[str, Any] | None
+    curriculum: dict[str, Any] | None
+    max_steps_off_policy: int
+    start_step: int | None = Field(
+        description="The model's step when the run started (null until then): its step 0. "
+        "A step's row in `/metrics` counts the run's steps, a validation's the model's."
+    )
+
+
 class RunMetric(BaseModel):
     """A point of a run's curves: a training step, or a validation of a checkpoint."""
 

@@ -1,76 +1,18 @@
 // Trainyard's dashboard: hash routes over the /v1 JSON API. Everything the API returns is
 // put on the page through textContent and DOM calls, never as HTML: a job's metadata is
 // whatever its submitter wrote.
+import {
+  API, FINAL, KEY, LIST_SECONDS, Unauthorized, api, badge, details, facts, h, headers, json, link, metricsAfter, num, progressBar,
+  redraw, runStep, table, when,
+} from "./base.js";
 import { lineChart } from "./chart.js";
+import { comparePage, runPicker } from "./compare.js";
 
-const API = new URL("../", document.baseURI); // the service's root, behind any path prefix
-const KEY = "trainyard.apiKey"; // sessionStorage: gone when the tab closes, never in a URL
 const STATUSES = ["queued", "running", "succeeded", "failed", "cancelled"];
-const LIST_SECONDS = 5;
-const FINAL = new Set(["succeeded", "failed", "cancelled"]);
 const main = document.getElementById("main");
 let current = null; // the AbortController of the page on screen
 
-// ---------------------------------------------------------------- DOM and formatting
-
-function h(tag, attrs = {}, ...children) {
-  const el = document.createElement(tag);
-  for (const [k, v] of Object.entries(attrs)) {
-    if (v == null || v === false) continue;
-    if (k === "class") el.className = v;
-    else if (k.startsWith("on")) el.addEventListener(k.slice(2), v);
-    else el.setAttribute(k, v === true ? "" : String(v));
-  }
-  for (const c of children.flat()) if (c != null && c !== false) el.append(c instanceof Node ? c : String(c));
-  return el;
-}
-
-const present = (...nodes) => nodes.filter((n) => n != null && n !== false);
-const link = (route, text, query) =>
-  h("a", { href: "#/" + route.map(encodeURIComponent).join("/") + (query ? "?" + new URLSearchParams(query) : "") }, text);
-const badge = (status) => h("span", { class: `badge ${status}`, "data-status": status }, status);
-const when = (iso) => (iso ? new Date(iso).toLocaleString() : "—");
-const json = (value) => h("pre", { class: "json" }, JSON.stringify(value, null, 2));
-const num = (v) => (typeof v === "number" ? String(+v.toPrecision(4)) : v == null ? "—" : String(v));
-
-const details = (title, content, open = false) => h("details", { "data-key": title, open }, h("summary", {}, title), content);
-
-// Replaces a page's header, keeping each <details> open or closed as the person left it.
-function redraw(container, ...nodes) {
-  const open = new Map([...container.querySelectorAll("details[data-key]")].map((d) => [d.dataset.key, d.open]));
-  container.replaceChildren(...present(...nodes));
-  for (const d of container.querySelectorAll("details[data-key]")) if (open.has(d.dataset.key)) d.open = open.get(d.dataset.key);
-}
-
-function facts(pairs) {
-  return h("dl", { class: "facts" }, pairs.filter(([, v]) => v != null).flatMap(([k, v]) => [h("dt", {}, k), h("dd", {}, v)]));
-}
-
-function progressBar(percent, text) {
-  const bar = h("progress", { max: 100, value: percent == null ? null : Math.min(100, percent) });
-  return h("div", { class: "progress" }, bar, h("span", {}, text));
-}
-
-function table(headers, rows) {
-  return h("div", { class: "scroll" }, h("table", {}, h("thead", {}, h("tr", {}, headers.map((t) => h("th", {}, t)))), h("tbody", {}, rows)));
-}
-
-// ---------------------------------------------------------------- the API and the key
-
-class Unauthorized extends Error {}
-
-function headers(extra = {}) {
-  const key = sessionStorage.getItem(KEY);
-  return key ? { ...extra, Authorization: `Bearer ${key}` } : extra;
-}
-
-async function api(path, { method = "GET", signal } = {}) {
-  const response = await fetch(new URL(path, API), { method, signal, cache: "no-store", headers: headers({ Accept: "application/json" }) });
-  if (response.status === 401) throw new Unauthorized();
-  const body = await response.json().catch(() => null);
-  if (!response.ok) throw new Error(`${response.status}: ${body?.detail || body?.title || response.statusText}`);
-  return body;
-}
+// ---------------------------------------------------------------- the key and the event stream
 
 function keyForm(refused) {
   const input = h("input", { type: "password", id: "api-key", name: "api-key", autocomplete: "off", required: true });
@@ -168,19 +110,21 @@ async function listPage(kind, query, signal) {
   status.addEventListener("change", () => filters.requestSubmit());
   const body = h("tbody", { id: "rows" });
   const more = h("button", { type: "button", class: "more", hidden: true }, "Load more");
-  const section = h("section", { "data-page": kind }, h("h2", {}, title), filters,
-    h("div", { class: "scroll" }, h("table", {}, h("thead", {}, h("tr", {}, ["Id", "Model", "Status", "Progress", "Created"].map((t) => h("th", {}, t)))), body)), more);
+  const picker = kind === "runs" ? runPicker() : null; // ticks to compare runs
+  const columns = [...(picker ? [""] : []), "Id", "Model", "Status", "Progress", "Created"];
+  const section = h("section", { "data-page": kind }, h("h2", {}, title), filters, picker?.bar,
+    h("div", { class: "scroll" }, h("table", {}, h("thead", {}, h("tr", {}, columns.map((t) => h("th", {}, t)))), body)), more);
   let paged = false; // once a person loads more, the list stays as it is
   const load = async (after) => {
     const params = new URLSearchParams({ limit: "50" });
     for (const key of ["status", "model"]) if (query.get(key)) params.set(key, query.get(key));
     if (after) params.set("after", after);
     const page = await api(`${path}?${params}`, { signal });
-    const rows = page.data.map((item) => h("tr", { "data-id": item.id }, h("td", {}, link([kind, item.id], item.id)), h("td", {}, item.model),
+    const rows = page.data.map((item) => h("tr", { "data-id": item.id }, picker?.cell(item.id), h("td", {}, link([kind, item.id], item.id)), h("td", {}, item.model),
       h("td", {}, badge(item.status), item.paused ? " paused" : ""), h("td", {}, progressText(item)), h("td", {}, when(item.created_at))));
     if (after) body.append(...rows);
     else body.replaceChildren(...rows);
-    if (!body.children.length) body.append(h("tr", {}, h("td", { colspan: 5, class: "empty" }, "Nothing here yet.")));
+    if (!body.children.length) body.append(h("tr", {}, h("td", { colspan: columns.length, class: "empty" }, "Nothing here yet.")));
     more.hidden = !page.has_more;
     more.onclick = () => { paged = true; load(page.next_cursor).catch(failed); };
   };
@@ -273,13 +217,14 @@ function coalesce(fn, ms = 250) {
 const KNOWN = new Set(["reward_mean", "reward_std", "loss"]);
 const SKIP = /_id$|_ids$|^job/;
 
-function runCharts(rows) {
+function runCharts(rows, startStep) {
   const steps = rows.filter((r) => r.kind === "step");
   const validations = rows.filter((r) => r.kind === "validation");
-  const points = (list, key) => list.filter((r) => typeof r.data[key] === "number").map((r) => ({ x: r.step, y: r.data[key] }));
+  const points = (list, key) => list.filter((r) => typeof r.data[key] === "number").map((r) => ({ x: runStep(r, startStep), y: r.data[key] }));
   const band = steps.filter((r) => typeof r.data.reward_mean === "number")
     .map((r) => ({ x: r.step, lo: r.data.reward_mean - (r.data.reward_std || 0), hi: r.data.reward_mean + (r.data.reward_std || 0) }));
-  const domain = rows.length ? [Math.min(...rows.map((r) => r.step)), Math.max(...rows.map((r) => r.step))] : undefined;
+  const xs = rows.map((r) => runStep(r, startStep));
+  const domain = rows.length ? [Math.min(...xs), Math.max(...xs)] : undefined;
   const charts = [lineChart({ name: "reward", title: "Reward", domain, series: [
     { name: "reward_mean", label: "train reward (mean ± std)", points: points(steps, "reward_mean"), band },
     { name: "validation", label: "validation score", points: points(validations, "score") },
@@ -300,7 +245,7 @@ async function runPage(id, signal) {
   const section = h("section", { "data-page": "run" }, h("p", {}, link(["runs"], "← Runs")), head, h("h3", {}, "Curves"), charts,
     h("details", {}, h("summary", {}, "Events"), h("div", { class: "scroll" }, h("table", { class: "events" }, h("thead", {}, h("tr", {}, ["Seq", "Time", "Type", "Data"].map((t) => h("th", {}, t)))), log))));
   const rows = [];
-  let run = null, seq = 0;
+  let run = null, seq = 0, startStep = null;
   const refresh = coalesce(async () => {
     run = await api(base, { signal });
     const p = run.progress, live = !FINAL.has(run.status);
@@ -318,13 +263,12 @@ async function runPage(id, signal) {
   });
   // New rows of the curves since the last seen: on load, and whenever a step or validation lands.
   const more = coalesce(async () => {
-    for (;;) {
-      const page = await api(`${base}/metrics?after=${seq}&limit=1000`, { signal });
-      rows.push(...page.data);
-      if (page.data.length) seq = page.data[page.data.length - 1].seq;
-      if (!page.has_more) break;
-    }
-    charts.replaceChildren(...runCharts(rows));
+    const page = await metricsAfter(base, seq, signal);
+    rows.push(...page.rows);
+    seq = page.seq;
+    // A validation is placed by the model step the run started from (known once it has).
+    if (startStep == null && rows.some((r) => r.kind === "validation")) startStep = (await api(`${base}/settings`, { signal })).start_step;
+    charts.replaceChildren(...runCharts(rows, startStep));
   }, 100);
   await Promise.all([refresh.now(), more.now()]);
   const onEvent = (event) => {
@@ -363,13 +307,15 @@ async function render() {
   const [path, search] = (location.hash.slice(1) || "/runs").split("?");
   const query = new URLSearchParams(search || "");
   const parts = path.split("/").filter(Boolean).map(decodeURIComponent);
-  for (const a of document.querySelectorAll("nav a")) a.classList.toggle("here", a.getAttribute("href") === `#/${parts[0]}`);
+  const section = parts[0] === "compare" ? "runs" : parts[0]; // runs are compared from their list
+  for (const a of document.querySelectorAll("nav a")) a.classList.toggle("here", a.getAttribute("href") === `#/${section}`);
   document.getElementById("forget").hidden = !sessionStorage.getItem(KEY);
   main.replaceChildren(h("p", { class: "loading" }, "Loading…"));
   try {
     let page;
     if (parts[0] === "models") page = await modelsPage(query, controller.signal);
     else if (parts[0] === "runs" && parts[1]) page = await runPage(parts[1], controller.signal);
+    else if (parts[0] === "compare") page = await comparePage(query, controller.signal, failed);
     else if (KINDS[parts[0]] && parts[1]) page = await jobPage(parts[0], parts[1], controller.signal);
     else if (KINDS[parts[0]]) page = await listPage(parts[0], query, controller.signal);
     else page = h("p", {}, "No such page. ", link(["runs"], "Runs"));

@@ -62,6 +62,7 @@ OPERATIONS: dict[str, tuple[str, str]] = {
     "runs-resume": ("POST", "/v1/runs/{run_id}/resume"),
     "runs-cancel": ("POST", "/v1/runs/{run_id}/cancel"),
     "runs-metrics": ("GET", "/v1/runs/{run_id}/metrics"),
+    "runs-settings": ("GET", "/v1/runs/{run_id}/settings"),
     "runs-events": ("GET", "/v1/runs/{job_id}/events"),
     "runs-stream": ("GET", "/v1/runs/{job_id}/events/stream"),
     "datasets-upload": ("POST", "/v1/datasets"),
@@ -430,6 +431,10 @@ def runs_metrics(
 ) -> Call[m.Page[m.RunMetric]]:
     call = _call("runs-metrics", _json(m.Page[m.RunMetric]), run_id=run_id)
     return _replace(call, params=_params(kind=kind, after=after, limit=limit))
+
+
+def runs_settings(run_id: str) -> Call[m.RunSettings]:
+    return _call("runs-settings", _json(m.RunSettings), run_id=run_id)
 
 
 _JOB_TYPES: dict[JobKind, Any] = {

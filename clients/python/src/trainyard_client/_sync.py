@@ -614,6 +614,11 @@ class Runs(_Followed[m.Run]):
         """The run's curve: a row per step (`kind="step"`) and per validation."""
         return self._send(calls.runs_metrics(run_id, kind=kind, after=after, limit=limit))
 
+    @operation("runs-settings")
+    def settings(self, run_id: str) -> m.RunSettings:
+        """What the run was asked to do: recipe, schedule, hyper-parameters, validation."""
+        return self._send(calls.runs_settings(run_id))
+
 
 class Datasets(_Resource):
     """Examples for runs, uploaded as JSON Lines in named splits."""

@@ -308,6 +308,24 @@ class Run(_Ends):
     current_jobs: list[str]
 
 
+class RunSettings(_Wire):
+    """A run's settings as it stores them (no examples, no grader or agent headers)."""
+
+    dataset: dict[str, Any] | None
+    num_train: int
+    num_validation: int
+    recipe: dict[str, Any]
+    schedule: dict[str, Any]
+    hyperparameters: dict[str, Any]
+    learning_rate_schedule: dict[str, Any] | None
+    validation: dict[str, Any] | None
+    checkpoints: dict[str, Any]
+    early_stopping: dict[str, Any] | None
+    curriculum: dict[str, Any] | None
+    max_steps_off_policy: int
+    start_step: int | None  # the model's step when the run started: its step 0
+
+
 class RunMetric(_Wire):
     seq: int
     kind: str  # step, validation
