@@ -254,7 +254,10 @@ async def test_a_runs_settings_are_its_request_with_defaults_and_no_secrets(serv
     }
     async with serve(worker_enabled=False) as live:
         dataset = await upload(live.client, toy_lines(2, 1))
-        body = run_body(dataset["id"])
+        body = run_body(
+            dataset["id"],
+            warmup={"examples": [SEVEN] * 3, "hyperparameters": {"learning_rate": 0.02}},
+        )
         body["recipe"] = {**body["recipe"], "grader": grader}
         created = await live.client.post("/v1/runs", json=body)
         assert created.status_code == 202, created.text
@@ -276,6 +279,8 @@ async def test_a_runs_settings_are_its_request_with_defaults_and_no_secrets(serv
     assert shown["dataset"]["id"] == dataset["id"]
     assert (shown["num_train"], shown["num_validation"]) == (2, 1)
     assert shown["early_stopping"] is None and shown["max_steps_off_policy"] == 0
+    assert shown["warmup"]["num_examples"] == 3 and "examples" not in shown["warmup"]
+    assert shown["warmup"]["hyperparameters"]["learning_rate"] == 0.02
     assert shown["start_step"] is None  # no worker here: it has not started
     assert missing.status_code == 404
     assert missing.headers["content-type"] == "application/problem+json"

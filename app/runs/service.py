@@ -358,8 +358,18 @@ async def run_settings(session: AsyncSession, run_id: str) -> RunSettings:
         early_stopping=_dump(stored.early_stopping),
         curriculum=_dump(stored.curriculum),
         max_steps_off_policy=stored.max_steps_off_policy,
+        warmup=_warmup_shown(stored.warmup),
         start_step=decode_state(run.state).start_step,
     )
+
+
+def _warmup_shown(warmup: dict[str, Any] | None) -> dict[str, Any] | None:
+    if warmup is None:
+        return None
+    return {
+        "hyperparameters": warmup.get("hyperparameters") or {},
+        "num_examples": len(warmup.get("examples") or ()),
+    }
 
 
 def _dump(part: BaseModel | None) -> dict[str, Any] | None:

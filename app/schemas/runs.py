@@ -321,6 +321,11 @@ class RunSettings(BaseModel):
     early_stopping: dict[str, Any] | None
     curriculum: dict[str, Any] | None
     max_steps_off_policy: int
+    warmup: dict[str, Any] | None = Field(
+        default=None,
+        description="The SFT warm-up (null: none): its `hyperparameters` and "
+        "`num_examples`, never the examples.",
+    )
     start_step: int | None = Field(
         description="The model's step when the run started (null until then): its step 0. "
         "A step's row in `/metrics` counts the run's steps, a validation's the model's."
