@@ -323,6 +323,7 @@ class RunSettings(_Wire):
     early_stopping: dict[str, Any] | None
     curriculum: dict[str, Any] | None
     max_steps_off_policy: int
+    warmup: dict[str, Any] | None = None  # the SFT warm-up: hyperparameters, num_examples
     start_step: int | None  # the model's step when the run started: its step 0
 
 
