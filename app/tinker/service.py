@@ -1,0 +1,411 @@
+"""The Tinker surface's rules: sessions, training runs, samplers, and the operations on them.
+
+A training run is a Trainyard model of the cpu backend (a `models` row named by its
+`model_id`, in project `tinker`), over a base model the cpu backend can load: a registered
+cpu model's name (its `base_model` directory) or such a directory itself. Its policy (the
+base model with a LoRA adapter of the requested rank, seed and targets) lives in this
+process. Operations on one run run one at a time, in the order they arrived (an asyncio lock
+is first-come first-served), in a thread, under the policy's lock.
+
+`save_weights_for_sampler` keeps a copy of the adapter as a sampler (`tinker://<run>/
+sampler_weights/<name>`) and writes it as the run's next checkpoint step, so the registry
+lists it and the gateway serves it as `<run>@<step>`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from app.backends.cpu import base_model_refusal
+from app.models import ModelRow
+from app.registry.models import create_model
+from app.schemas.models import ModelCreate
+from app.settings import Settings
+from app.tinker import spec, wire
+from app.tinker.futures import Futures, Result
+
+PROJECT = "tinker"
+SAMPLER_PREFIX = "tinker://"
+MAX_CONTEXT = 2048
+
+
+class TinkerError(Exception):
+    """A request refused at once: `status` and a message naming the bad field."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Run:
+    model_id: str
+    base_model: str  # as the client named it
+    base_dir: str
+    lora: spec.Lora
+    policy: Any
+    vocab: int
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    step: int = 0  # checkpoint steps written (sampler saves)
+    samplers: dict[str, str] = field(default_factory=dict)  # name -> sampler id
+
+
+@dataclass
+class Sampler:
+    sampler_id: str
+    base_model: str
+    model_path: str | None
+    run: Run | None
+    weights: dict[str, Any] | None
+
+
+class TinkerService:
+    def __init__(
+        self, settings: Settings, sessions: async_sessionmaker[AsyncSession], backends: Any
+    ) -> None:
+        self.settings = settings
+        self.sessions = sessions
+        self.backends = backends
+        self.futures = Futures()
+        self.tinker_sessions: dict[str, int] = {}  # session id -> heartbeats
+        self.runs: dict[str, Run] = {}
+        self.samplers: dict[str, Sampler] = {}
+        self.by_path: dict[str, str] = {}  # tinker path -> sampler id
+        self._base_policies: dict[str, Any] = {}
+        self._base_lock = asyncio.Lock()
+
+    async def close(self) -> None:
+        await self.futures.close()
+
+    # -- sessions and capabilities -----------------------------------------------------
+
+    def create_session(self) -> str:
+        session_id = f"s{secrets.token_hex(6)}"
+        self.tinker_sessions[session_id] = 0
+        return session_id
+
+    def heartbeat(self, session_id: str) -> None:
+        if session_id not in self.tinker_sessions:
+            raise TinkerError(404, f"session_id: no session {session_id!r}")
+        self.tinker_sessions[session_id] += 1
+
+    async def capabilities(self) -> list[dict[str, Any]]:
+        from sqlalchemy import select
+
+        async with self.sessions() as session:
+            rows = (await session.scalars(select(ModelRow).where(ModelRow.backend == "cpu"))).all()
+        return [
+            {
+                "model_name": row.name,
+                "max_context_length": MAX_CONTEXT,
+                "trainable": True,
+                "sampleable": True,
+            }
+            for row in rows
+            if row.project != PROJECT
+        ]
+
+    async def resolve_base(self, base_model: str) -> str:
+        """The local directory of `base_model`: a registered cpu model's name, or a directory
+        the cpu backend may load."""
+        async with self.sessions() as session:
+            row = await session.get(ModelRow, base_model)
+        if row is not None:
+            if row.backend != "cpu":
+                raise TinkerError(
+                    400,
+                    f"base_model: {base_model!r} is on the {row.backend!r} backend, which does "
+                    "not offer Tinker's operations (forward_backward, optim_step, sample); "
+                    "use a cpu model",
+                )
+            return row.base_model
+        refusal = base_model_refusal(base_model, self.settings.allowed_model_roots())
+        if refusal is not None or not await asyncio.to_thread(Path(base_model).is_dir):
+            raise TinkerError(
+                400,
+                f"base_model: {base_model!r} is neither a registered cpu model nor a model "
+                "directory the cpu backend may load (see get_server_capabilities)",
+            )
+        return base_model
+
+    # -- training runs -----------------------------------------------------------------
+
+    async def create_model(self, body: dict[str, Any]) -> str:
+        session_id, seq = str(body.get("session_id", "")), body.get("model_seq_id")
+        if session_id not in self.tinker_sessions:
+            raise TinkerError(404, f"session_id: no session {session_id!r}")
+        lora_body = body.get("lora_config") or {}
+        rank = lora_body.get("rank", 32)
+        if not isinstance(rank, int) or not 1 <= rank <= 256:
+            raise TinkerError(400, "lora_config.rank: must be an integer from 1 to 256")
+        lora = spec.Lora(
+            rank=rank,
+            seed=int(lora_body.get("seed") or 0),
+            train_mlp=bool(lora_body.get("train_mlp", True)),
+            train_attn=bool(lora_body.get("train_attn", True)),
+            train_unembed=bool(lora_body.get("train_unembed", True)),
+        )
+        base_model = str(body.get("base_model", ""))
+        base_dir = await self.resolve_base(base_model)
+        model_id = f"tinker-{session_id}-{seq}"
+        async with self.sessions() as session:
+            config = {"lora_rank": lora.rank, "lora_alpha": spec.LORA_ALPHA, "seed": lora.seed}
+            await create_model(
+                session,
+                body=ModelCreate(
+                    name=model_id,
+                    project=PROJECT,
+                    base_model=base_dir,
+                    backend="cpu",
+                    config=config,
+                ),
+                model_roots=self.settings.allowed_model_roots(),
+            )
+            await session.commit()
+        if model_id not in self.runs:
+            policy = await asyncio.to_thread(
+                _trainer().load_policy, base_dir, lora, self.settings.cpu_device
+            )
+            self.runs[model_id] = Run(
+                model_id, base_model, base_dir, lora, policy, vocab_size(policy)
+            )
+        return model_id
+
+    def run(self, model_id: str) -> Run:
+        run = self.runs.get(model_id)
+        if run is None:
+            raise TinkerError(404, f"model_id: no training run {model_id!r}")
+        return run
+
+    def info(self, model_id: str) -> dict[str, Any]:
+        run = self.run(model_id)
+        return {
+            "type": "get_info",
+            "model_id": model_id,
+            "model_data": {
+                "arch": "lora",
+                "model_name": run.base_model,
+                "tokenizer_id": run.base_dir,
+            },
+            "is_lora": True,
+            "lora_rank": run.lora.rank,
+            "model_name": run.base_model,
+        }
+
+    def submit(self, run: Run, seq_id: Any, kind: str, work: Any) -> str:
+        """Run `work` (a function of the policy, in a thread) after the run's earlier requests."""
+        request_id = f"{run.model_id}:{kind}:{seq_id}"
+
+        async def go() -> Result:
+            async with run.lock:
+                try:
+                    return await asyncio.to_thread(self._locked, run, work)
+                except spec.UserError as exc:
+                    return Result(error=str(exc), category="user")
+
+        return self.futures.submit(request_id, go())
+
+    @staticmethod
+    def _locked(run: Run, work: Any) -> Result:
+        with run.policy.lock:
+            result: Result = work(run.policy)
+            return result
+
+    def forward_backward(self, request: wire.ForwardBackwardRequest) -> str:
+        run = self.run(request.model_id)
+        try:  # before it is queued: the SDK raises a 400 as BadRequestError
+            spec.check_data(run.vocab, request.loss_fn, request.data)
+        except spec.UserError as exc:
+            raise TinkerError(400, str(exc)) from exc
+
+        def work(policy: Any) -> Result:
+            outputs, metrics = _trainer().forward_backward(
+                policy,
+                request.data,
+                request.loss_fn,
+                request.loss_fn_config,
+                backward=not request.forward_only,
+            )
+            return Result(proto=wire.write_forward_backward_output(outputs, metrics))
+
+        return self.submit(run, request.seq_id, "forward_backward", work)
+
+    def optim_step(self, body: dict[str, Any]) -> str:
+        run = self.run(str(body.get("model_id", "")))
+        params = {**DEFAULT_ADAM, **(body.get("adam_params") or {})}
+        lr = params["learning_rate"]
+        if not isinstance(lr, int | float) or not 0 <= lr <= 1:
+            raise TinkerError(400, "adam_params.learning_rate: must be a number from 0 to 1")
+
+        def work(policy: Any) -> Result:
+            return Result(json={"metrics": _trainer().optim_step(policy, params)})
+
+        return self.submit(run, body.get("seq_id"), "optim_step", work)
+
+    def save_for_sampler(self, body: dict[str, Any]) -> str:
+        run = self.run(str(body.get("model_id", "")))
+        name = body.get("path")
+        if name is not None and (not isinstance(name, str) or not name or "/" in name):
+            raise TinkerError(400, "path: a name without `/`")
+
+        def work(policy: Any) -> Result:
+            weights = _trainer().adapter_state(policy)
+            run.step += 1
+            label = name or f"sampler-{run.step:06d}"
+            path = f"{SAMPLER_PREFIX}{run.model_id}/sampler_weights/{label}"
+            sampler = self._add_sampler(run.base_model, path, run, weights)
+            run.samplers[label] = sampler.sampler_id
+            return Result(
+                json={
+                    "type": "save_weights_for_sampler",
+                    "path": path if name else None,
+                    "sampling_session_id": None if name else sampler.sampler_id,
+                }
+            )
+
+        return self.submit(run, body.get("seq_id"), "save_weights_for_sampler", work)
+
+    # -- sampling ----------------------------------------------------------------------
+
+    def _add_sampler(
+        self, base_model: str, path: str | None, run: Run | None, weights: dict[str, Any] | None
+    ) -> Sampler:
+        sampler = Sampler(f"sampler-{secrets.token_hex(6)}", base_model, path, run, weights)
+        self.samplers[sampler.sampler_id] = sampler
+        if path is not None:
+            self.by_path[path] = sampler.sampler_id
+        return sampler
+
+    async def create_sampling_session(self, body: dict[str, Any]) -> str:
+        path, base = body.get("model_path"), body.get("base_model")
+        if path:
+            found = self.by_path.get(str(path))
+            if found is None:
+                raise TinkerError(404, f"model_path: no sampler weights at {path!r}")
+            existing = self.samplers[found]
+            return self._add_sampler(
+                existing.base_model, existing.model_path, existing.run, existing.weights
+            ).sampler_id
+        if not base:
+            raise TinkerError(400, "base_model: required when model_path is not given")
+        await self.resolve_base(str(base))
+        return self._add_sampler(str(base), None, None, None).sampler_id
+
+    def sampler(self, sampler_id: str) -> Sampler:
+        sampler = self.samplers.get(sampler_id)
+        if sampler is None:
+            raise TinkerError(404, f"sampling_session_id: no sampler {sampler_id!r}")
+        return sampler
+
+    async def _base_policy(self, base_model: str) -> Any:
+        async with self._base_lock:
+            if base_model not in self._base_policies:
+                base_dir = await self.resolve_base(base_model)
+                lora = spec.Lora(rank=1, seed=0)
+                self._base_policies[base_model] = await asyncio.to_thread(
+                    _trainer().load_policy, base_dir, lora, self.settings.cpu_device
+                )
+            return self._base_policies[base_model]
+
+    async def asample(self, body: dict[str, Any]) -> dict[str, Any]:
+        sampler = self.sampler(str(body.get("sampling_session_id", "")))
+        params = body.get("sampling_params") or {}
+        prompt = [
+            t
+            for chunk in (body.get("prompt") or {}).get("chunks", [])
+            for t in chunk.get("tokens", [])
+        ]
+        n = body.get("num_samples", 1)
+        if not isinstance(n, int) or not 1 <= n <= 128:
+            raise TinkerError(400, "num_samples: an integer from 1 to 128")
+        if not prompt:
+            raise TinkerError(400, "prompt.chunks: no tokens")
+        max_tokens = params.get("max_tokens") or 16
+        stop = params.get("stop") or []
+        if isinstance(stop, str):
+            stop = [stop]
+        policy = sampler.run.policy if sampler.run else await self._base_policy(sampler.base_model)
+        stop_ids = self._stop_ids(policy, stop)
+        vocab = vocab_size(policy)
+        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise TinkerError(
+                400, f"prompt: token {bad[0]} is outside the vocabulary (0..{vocab - 1})"
+            )
+        request_id = f"{sampler.sampler_id}:sample:{body.get('seq_id')}"
+        lock = sampler.run.lock if sampler.run else asyncio.Lock()
+
+        def work() -> Result:
+            with policy.lock:
+                samples = _trainer().sample(
+                    policy,
+                    sampler.weights,
+                    prompt,
+                    n=n,
+                    max_tokens=int(max_tokens),
+                    temperature=float(params.get("temperature", 1.0)),
+                    top_p=float(params.get("top_p", 1.0)),
+                    stop_ids=stop_ids,
+                    seed=params.get("seed"),
+                )
+            sequences = [
+                wire.Sequence(
+                    s.token_ids, s.logprobs, "stop" if s.finish_reason == "stop" else "length"
+                )
+                for s in samples
+            ]
+            return Result(proto=wire.write_sample_response(sequences))
+
+        async def go() -> Result:
+            async with lock:
+                return await asyncio.to_thread(work)
+
+        self.futures.submit(request_id, go())
+        return {
+            "request_id": request_id,
+            "sample_sequence_ids": [f"{request_id}:{i}" for i in range(n)],
+        }
+
+    @staticmethod
+    def _stop_ids(policy: Any, stop: list[Any]) -> set[int]:
+        ids: set[int] = set()
+        for item in stop:
+            if isinstance(item, int):
+                ids.add(item)
+                continue
+            encoded = policy.tokenizer(item, add_special_tokens=False)["input_ids"]
+            if len(encoded) != 1:
+                raise TinkerError(
+                    400, f"sampling_params.stop: {item!r} is not one token here; give token ids"
+                )
+            ids.add(encoded[0])
+        return ids
+
+
+def _trainer() -> ModuleType:
+    """The torch side, imported where a run is made or used: an API process that never
+    sees a Tinker request never imports torch."""
+    from app.tinker import trainer
+
+    return trainer
+
+
+def vocab_size(policy: Any) -> int:
+    return int(policy.model.get_input_embeddings().weight.shape[0])
+
+
+DEFAULT_ADAM = {
+    "learning_rate": 1e-4,
+    "beta1": 0.9,
+    "beta2": 0.95,
+    "eps": 1e-12,
+    "weight_decay": 0.0,
+    "grad_clip_norm": 0.0,
+}

@@ -1,0 +1,42 @@
+"""A supervised loop through the Tinker SDK: `cross_entropy` on one sentence falls.
+
+Prints one JSON line: the loss per target token before and after, and what the server sent
+back (each datum's logprobs and elementwise loss, `loss:sum`)."""
+
+import json
+
+import numpy as np
+import tinker
+from tinker import types
+
+service = tinker.ServiceClient()
+training = service.create_lora_training_client(base_model="demo", rank=4, seed=7).result()
+info = training.get_info()
+tokenizer = training.get_tokenizer()
+tokens = tokenizer.encode("what is the weather today sunny and warm", add_special_tokens=False)
+weights = np.array([0.0] * 3 + [1.0] * (len(tokens) - 4), dtype=np.float32)
+datum = types.Datum(
+    model_input=types.ModelInput.from_ints(tokens[:-1]),
+    loss_fn_inputs={"target_tokens": np.array(tokens[1:], dtype=np.int64), "weights": weights},
+)
+losses = []
+for _ in range(8):
+    result = training.forward_backward([datum, datum], "cross_entropy").result()
+    training.optim_step(types.AdamParams(learning_rate=5e-3)).result()
+    losses.append(result.metrics["loss:sum"] / float(2 * weights.sum()))
+forward = training.forward([datum], "cross_entropy").result()  # no gradient
+outputs = forward.loss_fn_outputs[0]
+print(
+    json.dumps(
+        {
+            "model_id": info.model_id,
+            "lora_rank": info.lora_rank,
+            "tokenizer_id": info.model_data.tokenizer_id,
+            "losses": losses,
+            "after": forward.metrics["loss:sum"] / float(weights.sum()),
+            "logprobs": len(outputs["logprobs"].tolist()),
+            "elementwise_loss": outputs["elementwise_loss"].tolist(),
+            "targets": len(tokens) - 1,
+        }
+    )
+)
