@@ -97,10 +97,31 @@ def test_a_supervised_loop_lowers_cross_entropy(server: Server) -> None:
     # `forward`: one logprob and one loss per target token; masked positions lose nothing.
     assert result["logprobs"] == result["targets"] == len(result["elementwise_loss"])
     assert result["elementwise_loss"][:3] == [0.0, 0.0, 0.0]
-    # The run is a model of the registry, in project `tinker`, on the cpu backend.
-    with httpx.Client(base_url=f"http://127.0.0.1:{server.port}", headers=server.auth) as client:
-        model = client.get(f"/v1/models/{result['model_id']}").json()
+    # The saved weights learnt the sentence: a greedy sample continues its prefix.
+    run = result["model_id"]
+    assert result["path"] == f"tinker://{run}/sampler_weights/final"
+    assert result["sampled"] == result["sentence"], result
+    assert result["sampled_logprobs"] == len(result["sampled"])
+    # The run is a model of the registry, in project `tinker`, on the cpu backend; the saved
+    # weights are its checkpoint, aliased by their name, and the gateway serves them.
+    with httpx.Client(
+        base_url=f"http://127.0.0.1:{server.port}", headers=server.auth, timeout=60
+    ) as client:
+        model = client.get(f"/v1/models/{run}").json()
+        checkpoints = client.get(f"/v1/models/{run}/checkpoints").json()["data"]
+        answer = client.post(
+            "/openai/v1/chat/completions",
+            json={
+                "model": f"{run}@final",
+                "messages": [{"role": "user", "content": "what is the weather"}],
+                "max_tokens": 2,
+                "logprobs": True,
+            },
+        )
     assert (model["project"], model["backend"]) == ("tinker", "cpu"), model
+    assert [(c["step"], c["aliases"]) for c in checkpoints] == [(1, ["latest", "final"])]
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["model"] == f"{run}@1"
 
 
 def test_refused_requests_raise_the_sdks_errors(server: Server) -> None:

@@ -15,6 +15,7 @@ lists it and the gateway serves it as `<run>@<step>`.
 from __future__ import annotations
 
 import asyncio
+import re
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,8 +25,10 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app.backends.cpu import base_model_refusal
+from app.checkpoints.service import set_alias
 from app.models import ModelRow
 from app.registry.models import create_model
+from app.schemas.checkpoints import ALIAS_PATTERN, BUILTIN_ALIASES
 from app.schemas.models import ModelCreate
 from app.settings import Settings
 from app.tinker import spec, wire
@@ -55,6 +58,14 @@ class Run:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     step: int = 0  # checkpoint steps written (sampler saves)
     samplers: dict[str, str] = field(default_factory=dict)  # name -> sampler id
+
+
+@dataclass(frozen=True)
+class _Named:
+    """What the checkpoint directories need of a model."""
+
+    name: str
+    project: str
 
 
 @dataclass
@@ -156,7 +167,12 @@ class TinkerService:
         base_dir = await self.resolve_base(base_model)
         model_id = f"tinker-{session_id}-{seq}"
         async with self.sessions() as session:
-            config = {"lora_rank": lora.rank, "lora_alpha": spec.LORA_ALPHA, "seed": lora.seed}
+            config = {
+                "lora_rank": lora.rank,
+                "lora_alpha": spec.LORA_ALPHA,
+                "seed": lora.seed,
+                "target_modules": lora.targets,
+            }
             await create_model(
                 session,
                 body=ModelCreate(
@@ -255,10 +271,16 @@ class TinkerService:
         if name is not None and (not isinstance(name, str) or not name or "/" in name):
             raise TinkerError(400, "path: a name without `/`")
 
-        def work(policy: Any) -> Result:
-            weights = _trainer().adapter_state(policy)
-            run.step += 1
-            label = name or f"sampler-{run.step:06d}"
+        async def go() -> Result:
+            async with run.lock:
+                weights, step = await asyncio.to_thread(self._save, run)
+                label = name or f"{step:06d}"
+                if name and re.fullmatch(ALIAS_PATTERN, name) and name not in BUILTIN_ALIASES:
+                    async with self.sessions() as session:
+                        await set_alias(
+                            session, self.backends, name=run.model_id, alias=name, step=step
+                        )
+                        await session.commit()
             path = f"{SAMPLER_PREFIX}{run.model_id}/sampler_weights/{label}"
             sampler = self._add_sampler(run.base_model, path, run, weights)
             run.samplers[label] = sampler.sampler_id
@@ -270,7 +292,21 @@ class TinkerService:
                 }
             )
 
-        return self.submit(run, body.get("seq_id"), "save_weights_for_sampler", work)
+        request_id = f"{run.model_id}:save_weights_for_sampler:{body.get('seq_id')}"
+        return self.futures.submit(request_id, go())
+
+    def _save(self, run: Run) -> tuple[dict[str, Any], int]:
+        """The adapter's weights now, also written as the run's next checkpoint step (a row of
+        the registry: listed, exported, served by the gateway as `<run>@<step>`)."""
+        dirs = self.backends.get("cpu").backend
+        model = _Named(run.model_id, PROJECT)
+        with run.policy.lock:
+            weights = _trainer().adapter_state(run.policy)
+            step = dirs.step_on_disk(model) + 1
+            with dirs.writing(model, step) as partial:
+                run.policy.save(partial, step)
+        run.step = step
+        return weights, step
 
     # -- sampling ----------------------------------------------------------------------
 

@@ -1,7 +1,9 @@
-"""A supervised loop through the Tinker SDK: `cross_entropy` on one sentence falls.
+"""A supervised loop through the Tinker SDK: `cross_entropy` on one sentence falls, and the
+weights saved for a sampler continue the sentence's prefix.
 
-Prints one JSON line: the loss per target token before and after, and what the server sent
-back (each datum's logprobs and elementwise loss, `loss:sum`)."""
+Prints one JSON line: the loss per target token before and after, what the server sent
+back (each datum's logprobs and elementwise loss, `loss:sum`), the saved weights' path and
+a greedy sample from them."""
 
 import json
 
@@ -26,6 +28,11 @@ for _ in range(8):
     losses.append(result.metrics["loss:sum"] / float(2 * weights.sum()))
 forward = training.forward([datum], "cross_entropy").result()  # no gradient
 outputs = forward.loss_fn_outputs[0]
+path = training.save_weights_for_sampler(name="final").result().path
+sampler = service.create_sampling_client(model_path=path).result()
+prompt = types.ModelInput.from_ints(tokens[:4])
+greedy = types.SamplingParams(max_tokens=len(tokens) - 4, temperature=0.0)
+sampled = sampler.sample(prompt, num_samples=1, sampling_params=greedy).result().sequences[0]
 print(
     json.dumps(
         {
@@ -37,6 +44,10 @@ print(
             "logprobs": len(outputs["logprobs"].tolist()),
             "elementwise_loss": outputs["elementwise_loss"].tolist(),
             "targets": len(tokens) - 1,
+            "path": path,
+            "sentence": tokens[4:],
+            "sampled": sampled.tokens,
+            "sampled_logprobs": len(sampled.logprobs),
         }
     )
 )
