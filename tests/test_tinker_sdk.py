@@ -95,13 +95,17 @@ def test_a_supervised_loop_lowers_cross_entropy(server: Server) -> None:
     assert result["lora_rank"] == 4 and result["model_id"].startswith("tinker-")
     assert Path(result["tokenizer_id"], "config.json").exists()  # a local directory
     # `forward`: one logprob and one loss per target token; masked positions lose nothing.
-    assert result["logprobs"] == result["targets"] == len(result["elementwise_loss"])
+    assert len(result["logprobs"]) == result["targets"] == len(result["elementwise_loss"])
     assert result["elementwise_loss"][:3] == [0.0, 0.0, 0.0]
     # The saved weights learnt the sentence: a greedy sample continues its prefix.
     run = result["model_id"]
     assert result["path"] == f"tinker://{run}/sampler_weights/final"
     assert result["sampled"] == result["sentence"], result
     assert result["sampled_logprobs"] == len(result["sampled"])
+    # The sampler scores the sentence as `forward` did with the same weights; the first token
+    # has no logprob.
+    scored = result["compute_logprobs"]
+    assert scored[0] is None and scored[1:] == pytest.approx(result["logprobs"], abs=1e-4)
     # The run is a model of the registry, in project `tinker`, on the cpu backend; the saved
     # weights are its checkpoint, aliased by their name, and the gateway serves them.
     with httpx.Client(
@@ -145,6 +149,7 @@ def test_refused_requests_raise_the_sdks_errors(server: Server) -> None:
         "unknown loss": ("BadRequestError", "loss_fn 'dpo' is not supported"),
         "unknown sampler": ("NotFoundError", "no sampler weights"),
         "prompt outside vocabulary": ("BadRequestError", "outside the vocabulary"),
+        "top_k": ("BadRequestError", "sampling_params.top_k: not supported here yet"),
     }
     for name, (error, message) in expected.items():
         assert outcomes[name].startswith(error) and message in outcomes[name], (name, outcomes)

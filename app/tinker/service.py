@@ -364,6 +364,30 @@ class TinkerService:
         if not prompt:
             raise TinkerError(400, "prompt.chunks: no tokens")
         max_tokens = params.get("max_tokens") or 16
+        if not isinstance(max_tokens, int) or not 1 <= max_tokens <= MAX_CONTEXT:
+            raise TinkerError(
+                400, f"sampling_params.max_tokens: an integer from 1 to {MAX_CONTEXT}"
+            )
+        for key in ("temperature", "top_p"):
+            value = params.get(key, 1.0)
+            if not isinstance(value, int | float) or not 0 <= value <= (
+                1 if key == "top_p" else 100
+            ):
+                raise TinkerError(400, f"sampling_params.{key}: out of range")
+        if params.get("top_k", -1) not in (-1, 0, None):
+            raise TinkerError(400, "sampling_params.top_k: not supported here yet (-1: all)")
+        for key in UNSUPPORTED_SAMPLE_OPTIONS:
+            if body.get(key):
+                raise TinkerError(400, f"{key}: not supported here yet")
+        with_prompt = bool(body.get("prompt_logprobs"))
+        last_n = body.get("prompt_logprobs_last_n")
+        if last_n is not None and (
+            not with_prompt or not isinstance(last_n, int) or not 1 <= last_n < len(prompt)
+        ):
+            raise TinkerError(
+                400,
+                "prompt_logprobs_last_n: needs prompt_logprobs, from 1 to the prompt's length - 1",
+            )
         stop = params.get("stop") or []
         if isinstance(stop, str):
             stop = [stop]
@@ -379,7 +403,10 @@ class TinkerService:
         lock = sampler.run.lock if sampler.run else asyncio.Lock()
 
         def work() -> Result:
+            scores = None
             with policy.lock:
+                if with_prompt:
+                    scores = _trainer().prompt_logprobs(policy, sampler.weights, prompt, last_n)
                 samples = _trainer().sample(
                     policy,
                     sampler.weights,
@@ -397,7 +424,7 @@ class TinkerService:
                 )
                 for s in samples
             ]
-            return Result(proto=wire.write_sample_response(sequences))
+            return Result(proto=wire.write_sample_response(sequences, scores))
 
         async def go() -> Result:
             async with lock:
@@ -436,6 +463,14 @@ def _trainer() -> ModuleType:
 def vocab_size(policy: Any) -> int:
     return int(policy.model.get_input_embeddings().weight.shape[0])
 
+
+# Sampling options the SDK has that are refused here (400) rather than ignored.
+UNSUPPORTED_SAMPLE_OPTIONS = (
+    "topk_prompt_logprobs",
+    "topk_sample_logprobs",
+    "target_prompt_logprobs",
+    "prompt_alt_tokens_k",
+)
 
 DEFAULT_ADAM = {
     "learning_rate": 1e-4,

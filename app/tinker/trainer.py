@@ -15,7 +15,9 @@ Losses (per target token t, `lp` the model's logprob of the target, summed over 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -125,6 +127,27 @@ def adapter_state(policy: Policy) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in state.items()}
 
 
+@contextmanager
+def weights_of(policy: Policy, weights: dict[str, torch.Tensor] | None) -> Iterator[None]:
+    """The model with `weights` as its adapter (None: the base model, adapter off), the
+    adapter's own weights restored afterwards. Call with `policy.lock` held."""
+    from peft import set_peft_model_state_dict
+
+    if weights is None:
+        with policy.model.disable_adapter():
+            yield
+        return
+    live = adapter_state(policy)
+    if all(torch.equal(live[k], v) for k, v in weights.items()):
+        yield
+        return
+    set_peft_model_state_dict(policy.model, weights)
+    try:
+        yield
+    finally:
+        set_peft_model_state_dict(policy.model, live)
+
+
 def sample(
     policy: Policy,
     weights: dict[str, torch.Tensor] | None,
@@ -137,11 +160,8 @@ def sample(
     stop_ids: set[int],
     seed: int | None,
 ) -> list[Sample]:
-    """Sample from `weights` (None: the base model, adapter off), restoring the adapter's own
-    weights afterwards. Call with `policy.lock` held."""
-    from peft import set_peft_model_state_dict
-
-    def run() -> list[Sample]:
+    """Sample from `weights` (see `weights_of`). Call with `policy.lock` held."""
+    with weights_of(policy, weights):
         return policy.sample(
             prompt,
             n=n,
@@ -153,14 +173,18 @@ def sample(
             seed=seed,
         )
 
-    if weights is None:
-        with policy.model.disable_adapter():
-            return run()
-    live = adapter_state(policy)
-    if all(torch.equal(live[k], v) for k, v in weights.items()):
-        return run()
-    set_peft_model_state_dict(policy.model, weights)
-    try:
-        return run()
-    finally:
-        set_peft_model_state_dict(policy.model, live)
+
+@torch.no_grad()
+def prompt_logprobs(
+    policy: Policy, weights: dict[str, torch.Tensor] | None, prompt: list[int], last_n: int | None
+) -> list[float]:
+    """Each prompt token's logprob given the tokens before it; NaN (the SDK's None) for the
+    first, and for those before the last `last_n`. Call with `policy.lock` held."""
+    with weights_of(policy, weights):
+        ids = torch.tensor([prompt], device=policy.device)
+        logits = policy.model(input_ids=ids).logits[0, :-1].float()
+        picked = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:].unsqueeze(-1))
+    scores = [math.nan, *picked.squeeze(-1).cpu().tolist()]
+    if last_n is not None:
+        scores[: len(prompt) - last_n] = [math.nan] * (len(prompt) - last_n)
+    return scores

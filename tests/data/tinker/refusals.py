@@ -76,6 +76,14 @@ attempt(
         sampling_params=types.SamplingParams(max_tokens=1),
     ).result(),
 )
+attempt(
+    "top_k",
+    lambda: base.sample(
+        types.ModelInput.from_ints([1, 2]),
+        num_samples=1,
+        sampling_params=types.SamplingParams(max_tokens=1, top_k=5),
+    ).result(),
+)
 sample = base.sample(
     types.ModelInput.from_ints([1, 2]),
     num_samples=3,

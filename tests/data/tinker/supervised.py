@@ -33,6 +33,7 @@ sampler = service.create_sampling_client(model_path=path).result()
 prompt = types.ModelInput.from_ints(tokens[:4])
 greedy = types.SamplingParams(max_tokens=len(tokens) - 4, temperature=0.0)
 sampled = sampler.sample(prompt, num_samples=1, sampling_params=greedy).result().sequences[0]
+scored = sampler.compute_logprobs(types.ModelInput.from_ints(tokens)).result()
 print(
     json.dumps(
         {
@@ -41,7 +42,8 @@ print(
             "tokenizer_id": info.model_data.tokenizer_id,
             "losses": losses,
             "after": forward.metrics["loss:sum"] / float(weights.sum()),
-            "logprobs": len(outputs["logprobs"].tolist()),
+            "logprobs": outputs["logprobs"].tolist(),
+            "compute_logprobs": scored,
             "elementwise_loss": outputs["elementwise_loss"].tolist(),
             "targets": len(tokens) - 1,
             "path": path,
