@@ -92,13 +92,15 @@ def test_a_supervised_loop_lowers_cross_entropy(server: Server) -> None:
     losses = result["losses"]
     assert losses[-1] < losses[0] * 0.8, losses
     assert result["after"] < losses[-1], result  # the last step counted
-    assert result["lora_rank"] == 4 and result["model_id"].startswith("tinker-")
+    # The SDK's model id, `<session>:train:<n>`; the run's registry model `tinker-<session>-<n>`.
+    session, _, n = result["model_id"].split(":")
+    run = f"tinker-{session}-{n}"
+    assert result["lora_rank"] == 4
     assert Path(result["tokenizer_id"], "config.json").exists()  # a local directory
     # `forward`: one logprob and one loss per target token; masked positions lose nothing.
     assert len(result["logprobs"]) == result["targets"] == len(result["elementwise_loss"])
     assert result["elementwise_loss"][:3] == [0.0, 0.0, 0.0]
     # The saved weights learnt the sentence: a greedy sample continues its prefix.
-    run = result["model_id"]
     assert result["path"] == f"tinker://{run}/sampler_weights/final"
     assert result["sampled"] == result["sentence"], result
     assert result["sampled_logprobs"] == len(result["sampled"])
@@ -154,3 +156,26 @@ def test_refused_requests_raise_the_sdks_errors(server: Server) -> None:
     for name, (error, message) in expected.items():
         assert outcomes[name].startswith(error) and message in outcomes[name], (name, outcomes)
     assert outcomes["base sample"] == [True, True, True]
+
+
+def test_a_saved_state_loads_back_with_its_optimizer_even_after_a_restart(
+    server: Server,
+) -> None:
+    """save_state, load_state_with_optimizer, and, after `trainyard serve` restarted,
+    create_training_client_from_state_with_optimizer: the same weights and the same next
+    step (AdamW's moments came back too). Last in this module: it restarts the server."""
+    script = (DATA / "state.py").read_text()
+    ran = run_sdk(server, script, "save")
+    assert ran.returncode == 0, ran.stdout + ran.stderr + server.tail()
+    saved = json.loads(ran.stdout.strip().splitlines()[-1])
+    assert saved["path"].startswith("tinker://tinker-") and saved["path"].endswith("/weights/mid")
+    assert saved["moved"] != pytest.approx(saved["at_mid"], abs=1e-3)  # it trained on
+    assert saved["loaded"] == pytest.approx(saved["at_mid"], abs=1e-6)
+
+    server.start({"TRAINYARD_API_KEYS": KEY})  # the same data directory and database
+    ran = run_sdk(server, script, "resume", saved["path"])
+    assert ran.returncode == 0, ran.stdout + ran.stderr + server.tail()
+    resumed = json.loads(ran.stdout.strip().splitlines()[-1])
+    assert resumed["loaded"] == pytest.approx(saved["at_mid"], abs=1e-6)
+    assert resumed["next"] == pytest.approx(saved["next"], abs=1e-5)
+    assert resumed["model_id"].endswith(":train:0")

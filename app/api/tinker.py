@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from app.errors import problem_response
 from app.ingest.edge import body_of
 from app.tinker import wire
-from app.tinker.service import TinkerError, TinkerService
+from app.tinker.service import SAMPLER, TinkerError, TinkerService
 
 PREFIX = "/tinker/api/v1"
 PROTOBUF = "application/x-protobuf"
@@ -136,9 +136,29 @@ async def optim_step(request: Request) -> dict[str, Any] | JSONResponse:
 async def save_weights_for_sampler(request: Request) -> dict[str, Any] | JSONResponse:
     try:
         body = await json_body(request)
-        return future(service(request).save_for_sampler(body), body.get("model_id"))
+        return future(service(request).save(body, SAMPLER), body.get("model_id"))
     except TinkerError as exc:
         return refused(request, exc)
+
+
+@router.post("/save_weights", response_model=None)
+async def save_weights(request: Request) -> dict[str, Any] | JSONResponse:
+    """The SDK's `save_state`."""
+    try:
+        body = await json_body(request)
+        return future(service(request).save(body, "weights"), body.get("model_id"))
+    except TinkerError as exc:
+        return refused(request, exc)
+
+
+@router.post("/load_weights", response_model=None)
+async def load_weights(request: Request) -> dict[str, Any] | JSONResponse:
+    """The SDK's `load_state` and `create_training_client_from_state`."""
+    try:
+        request_id, model_id = await service(request).load(await json_body(request))
+    except TinkerError as exc:
+        return refused(request, exc)
+    return future(request_id, model_id)
 
 
 @router.post("/create_sampling_session", response_model=None)

@@ -1,15 +1,16 @@
 """The Tinker surface's rules: sessions, training runs, samplers, and the operations on them.
 
-A training run is a Trainyard model of the cpu backend (a `models` row named by its
-`model_id`, in project `tinker`), over a base model the cpu backend can load: a registered
-cpu model's name (its `base_model` directory) or such a directory itself. Its policy (the
-base model with a LoRA adapter of the requested rank, seed and targets) lives in this
-process. Operations on one run run one at a time, in the order they arrived (an asyncio lock
-is first-come first-served), in a thread, under the policy's lock.
+A training run (the SDK's `model_id`, `<session>:train:<seq>`) is a Trainyard model of the
+cpu backend named `tinker-<session>-<seq>`, in project `tinker`, over a base model the cpu
+backend can load: a registered cpu model's name (its `base_model` directory) or such a
+directory itself. Its policy (the base model with a LoRA adapter of the requested rank, seed
+and targets) lives in this process. Operations on one run run one at a time, in the order
+they arrived (an asyncio lock is first-come first-served), in a thread, under the policy's
+lock.
 
-`save_weights_for_sampler` keeps a copy of the adapter as a sampler (`tinker://<run>/
-sampler_weights/<name>`) and writes it as the run's next checkpoint step, so the registry
-lists it and the gateway serves it as `<run>@<step>`.
+`save_weights_for_sampler` and `save_weights` (save_state) write the adapter as the run's
+next checkpoint step, so the registry lists it and the gateway serves it as `<run>@<step>`;
+a sampler keeps a copy of the weights in memory (`tinker://<run>/sampler_weights/<name>`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app.backends.cpu import base_model_refusal
 from app.checkpoints.service import set_alias
-from app.models import ModelRow
+from app.models import ModelAliasRow, ModelRow
 from app.registry.models import create_model
 from app.schemas.checkpoints import ALIAS_PATTERN, BUILTIN_ALIASES
 from app.schemas.models import ModelCreate
@@ -35,7 +36,8 @@ from app.tinker import spec, wire
 from app.tinker.futures import Futures, Result
 
 PROJECT = "tinker"
-SAMPLER_PREFIX = "tinker://"
+SCHEME = "tinker://"
+SAMPLER = "sampler_weights"
 MAX_CONTEXT = 2048
 
 
@@ -49,7 +51,8 @@ class TinkerError(Exception):
 
 @dataclass
 class Run:
-    model_id: str
+    model_id: str  # the SDK's: `<session>:train:<seq>` (it derives it itself on load_state)
+    name: str  # the registry's model, and the run in `tinker://<name>/…` paths
     base_model: str  # as the client named it
     base_dir: str
     lora: spec.Lora
@@ -57,7 +60,6 @@ class Run:
     vocab: int
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     step: int = 0  # checkpoint steps written (sampler saves)
-    samplers: dict[str, str] = field(default_factory=dict)  # name -> sampler id
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,7 @@ class TinkerService:
         self.runs: dict[str, Run] = {}
         self.samplers: dict[str, Sampler] = {}
         self.by_path: dict[str, str] = {}  # tinker path -> sampler id
+        self.saved: dict[str, tuple[str, int]] = {}  # tinker path -> (registry model, step)
         self._base_policies: dict[str, Any] = {}
         self._base_lock = asyncio.Lock()
 
@@ -165,7 +168,14 @@ class TinkerService:
         )
         base_model = str(body.get("base_model", ""))
         base_dir = await self.resolve_base(base_model)
-        model_id = f"tinker-{session_id}-{seq}"
+        run = await self._open_run(session_id, seq, base_model, base_dir, lora)
+        return run.model_id
+
+    async def _open_run(
+        self, session_id: str, seq: Any, base_model: str, base_dir: str, lora: spec.Lora
+    ) -> Run:
+        """The run `<session>:train:<seq>`: its registry model and its policy (made once)."""
+        model_id, name = f"{session_id}:train:{seq}", f"tinker-{session_id}-{seq}"
         async with self.sessions() as session:
             config = {
                 "lora_rank": lora.rank,
@@ -176,11 +186,7 @@ class TinkerService:
             await create_model(
                 session,
                 body=ModelCreate(
-                    name=model_id,
-                    project=PROJECT,
-                    base_model=base_dir,
-                    backend="cpu",
-                    config=config,
+                    name=name, project=PROJECT, base_model=base_dir, backend="cpu", config=config
                 ),
                 model_roots=self.settings.allowed_model_roots(),
             )
@@ -190,9 +196,9 @@ class TinkerService:
                 _trainer().load_policy, base_dir, lora, self.settings.cpu_device
             )
             self.runs[model_id] = Run(
-                model_id, base_model, base_dir, lora, policy, vocab_size(policy)
+                model_id, name, base_model, base_dir, lora, policy, vocab_size(policy)
             )
-        return model_id
+        return self.runs[model_id]
 
     def run(self, model_id: str) -> Run:
         run = self.runs.get(model_id)
@@ -265,25 +271,32 @@ class TinkerService:
 
         return self.submit(run, body.get("seq_id"), "optim_step", work)
 
-    def save_for_sampler(self, body: dict[str, Any]) -> str:
+    def save(self, body: dict[str, Any], kind: str) -> str:
+        """`save_weights_for_sampler` (kind `sampler_weights`) or `save_weights` (`weights`,
+        the SDK's save_state): the adapter (and the optimizer's state) as the run's next
+        checkpoint step. A name that can be an alias becomes one: as itself for a sampler's
+        weights (the gateway serves `<run>@<name>`), as `state-<name>` for a state (so a
+        `tinker://` path of it resolves after a restart)."""
         run = self.run(str(body.get("model_id", "")))
         name = body.get("path")
         if name is not None and (not isinstance(name, str) or not name or "/" in name):
             raise TinkerError(400, "path: a name without `/`")
+        alias = None if name is None else name if kind == SAMPLER else f"state-{name}"
 
         async def go() -> Result:
             async with run.lock:
                 weights, step = await asyncio.to_thread(self._save, run)
-                label = name or f"{step:06d}"
-                if name and re.fullmatch(ALIAS_PATTERN, name) and name not in BUILTIN_ALIASES:
+                if alias and re.fullmatch(ALIAS_PATTERN, alias) and alias not in BUILTIN_ALIASES:
                     async with self.sessions() as session:
                         await set_alias(
-                            session, self.backends, name=run.model_id, alias=name, step=step
+                            session, self.backends, name=run.name, alias=alias, step=step
                         )
                         await session.commit()
-            path = f"{SAMPLER_PREFIX}{run.model_id}/sampler_weights/{label}"
+            path = f"{SCHEME}{run.name}/{kind}/{name or f'{step:06d}'}"
+            self.saved[path] = (run.name, step)
+            if kind != SAMPLER:
+                return Result(json={"type": "save_weights", "path": path})
             sampler = self._add_sampler(run.base_model, path, run, weights)
-            run.samplers[label] = sampler.sampler_id
             return Result(
                 json={
                     "type": "save_weights_for_sampler",
@@ -292,14 +305,13 @@ class TinkerService:
                 }
             )
 
-        request_id = f"{run.model_id}:save_weights_for_sampler:{body.get('seq_id')}"
-        return self.futures.submit(request_id, go())
+        return self.futures.submit(f"{run.model_id}:save_{kind}:{body.get('seq_id')}", go())
 
     def _save(self, run: Run) -> tuple[dict[str, Any], int]:
         """The adapter's weights now, also written as the run's next checkpoint step (a row of
         the registry: listed, exported, served by the gateway as `<run>@<step>`)."""
         dirs = self.backends.get("cpu").backend
-        model = _Named(run.model_id, PROJECT)
+        model = _Named(run.name, PROJECT)
         with run.policy.lock:
             weights = _trainer().adapter_state(run.policy)
             step = dirs.step_on_disk(model) + 1
@@ -307,6 +319,68 @@ class TinkerService:
                 run.policy.save(partial, step)
         run.step = step
         return weights, step
+
+    async def _checkpoint(self, path: Any) -> tuple[ModelRow, Path]:
+        """The registry model and the checkpoint directory a `tinker://` path names: one saved
+        by this process, or, after a restart, one whose name is an alias (see `save`)."""
+        if not isinstance(path, str) or not path.startswith(SCHEME):
+            raise TinkerError(400, "path: a tinker:// path")
+        parts = path.removeprefix(SCHEME).split("/")
+        if len(parts) != 3 or parts[1] not in (SAMPLER, "weights"):
+            raise TinkerError(
+                400, f"path: {path!r} is not tinker://<run>/<weights|sampler_weights>/<name>"
+            )
+        async with self.sessions() as session:
+            row = await session.get(ModelRow, parts[0])
+            found = self.saved.get(path)
+            if found is None and row is not None:
+                alias = parts[2] if parts[1] == SAMPLER else f"state-{parts[2]}"
+                aliased = await session.get(ModelAliasRow, (row.name, alias))
+                found = None if aliased is None else (row.name, aliased.step)
+        dirs = self.backends.get("cpu").backend
+        directory = None
+        if row is not None and row.project == PROJECT and found is not None:
+            directory = await asyncio.to_thread(
+                dirs.checkpoint, _Named(row.name, PROJECT), found[1]
+            )
+        if row is None or found is None or directory is None:
+            raise TinkerError(404, f"path: no checkpoint at {path!r}")
+        return row, directory
+
+    async def load(self, body: dict[str, Any]) -> tuple[str, str]:
+        """`load_weights`: into a run (`model_id`: load_state), or into a new run of the
+        session (`session_id`, `model_seq_id`: create_training_client_from_state) with the
+        checkpoint's LoRA config. With `optimizer`, the optimizer's state too."""
+        path = body.get("path")
+        row, directory = await self._checkpoint(path)
+        with_optimizer = bool(body.get("optimizer"))
+        if body.get("session_id") is not None:
+            session_id = str(body["session_id"])
+            if session_id not in self.tinker_sessions:
+                raise TinkerError(404, f"session_id: no session {session_id!r}")
+            config = row.config or {}
+            targets = config.get("target_modules") or []
+            lora = spec.Lora(
+                rank=int(config.get("lora_rank", 8)),
+                seed=int(config.get("seed", 0)),
+                train_mlp="up_proj" in targets,
+                train_attn="q_proj" in targets,
+                train_unembed="lm_head" in targets,
+            )
+            base = str(body.get("base_model") or row.base_model)
+            run = await self._open_run(
+                session_id, body.get("model_seq_id"), base, await self.resolve_base(base), lora
+            )
+            seq_id: Any = 0
+        else:
+            run = self.run(str(body.get("model_id", "")))
+            seq_id = body.get("seq_id")
+
+        def work(policy: Any) -> Result:
+            _trainer().load_state(policy, directory, with_optimizer=with_optimizer)
+            return Result(json={"type": "load_weights", "path": path, "model_id": run.model_id})
+
+        return self.submit(run, seq_id, "load_weights", work), run.model_id
 
     # -- sampling ----------------------------------------------------------------------
 

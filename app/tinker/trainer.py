@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -188,3 +189,21 @@ def prompt_logprobs(
     if last_n is not None:
         scores[: len(prompt) - last_n] = [math.nan] * (len(prompt) - last_n)
     return scores
+
+
+def load_state(policy: Policy, directory: Path, *, with_optimizer: bool) -> None:
+    """The adapter saved in `directory` (and, `with_optimizer`, AdamW's moments), with no
+    gradient pending. Without the optimizer's state the next step starts a fresh AdamW."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    set_peft_model_state_dict(policy.model, load_file(str(directory / "adapter_model.safetensors")))
+    policy.model.zero_grad(set_to_none=True)
+    policy.optimizer = None
+    saved = directory / "optimizer.pt"
+    if with_optimizer and saved.exists():
+        params = [p for p in policy.model.parameters() if p.requires_grad]
+        policy.optimizer = torch.optim.AdamW(params)
+        policy.optimizer.load_state_dict(
+            torch.load(saved, weights_only=True, map_location=policy.device)
+        )
