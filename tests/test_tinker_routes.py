@@ -37,6 +37,8 @@ async def test_the_sdks_key_header_opens_the_tinker_paths_only(live: LiveServer)
         ("session_heartbeat", {"session_id": "nope"}, {}, 404, "session_id"),
         ("create_model", b"{", {}, 400, "body"),
         ("create_model", [], {}, 400, "body"),
+        ("create_model", b'{"session_id": NaN}', {}, 400, "body"),  # the strict parser's
+        ("optim_step", b'{"model_id": "\\ud800"}', {}, 400, "body"),
         ("create_model", {"session_id": "nope"}, {}, 404, "session_id"),
         ("get_info", {"model_id": "nope"}, {}, 404, "model_id"),
         ("optim_step", {"model_id": "nope"}, {}, 404, "model_id"),

@@ -121,6 +121,15 @@ def test_importance_sampling_and_ppo(tiny: str) -> None:
     config = {"clip_low_threshold": 0.5, "clip_high_threshold": 1.5}
     out, _ = trainer.forward_backward(p, [d], "ppo", config, backward=False)
     assert out[0]["elementwise_loss"] == pytest.approx([-1.5, 2 * ratio], rel=1e-5)
+    # CISPO: the clipped ratio (1.2) times A weighs each token's logprob, with no gradient
+    # through the ratio: its gradient is cross_entropy's with weights -(-1.2 A).
+    out, _ = trainer.forward_backward(p, [d], "cispo", {}, backward=True)
+    assert out[0]["elementwise_loss"] == pytest.approx(-1.2 * np.array([1.0, -2.0]) * lp, rel=1e-5)
+    cispo = grads(p)
+    q = policy(tiny)
+    weighted = datum([5, 6], [6, 7], weights=[1.2, -2.4])
+    trainer.forward_backward(q, [weighted], "cross_entropy", {}, backward=True)
+    assert all(torch.allclose(g, grads(q)[n], atol=1e-6) for n, g in cispo.items())
 
 
 @pytest.mark.parametrize(

@@ -11,12 +11,12 @@ lists the routes. Left out of the OpenAPI document: this surface is the SDK's, n
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from app.api.body import parse_json
 from app.errors import problem_response
 from app.ingest.edge import body_of
 from app.tinker import wire
@@ -37,10 +37,12 @@ def service(request: Request) -> TinkerService:
 
 
 async def json_body(request: Request) -> dict[str, Any]:
+    if not await body_of(request):
+        return {}
     try:
-        body = json.loads(await body_of(request) or b"{}")
-    except ValueError as exc:
-        raise TinkerError(400, f"body: not JSON ({exc})") from exc
+        body = await parse_json(request)  # the service's one strict parser
+    except ValueError as exc:  # JsonTextError, JsonValueErrors
+        raise TinkerError(400, f"body: not JSON this service accepts ({exc})") from exc
     if not isinstance(body, dict):
         raise TinkerError(400, "body: must be a JSON object")
     return body

@@ -8,11 +8,12 @@ from dataclasses import dataclass
 
 from app.tinker.wire import Datum
 
-LOSSES = ("cross_entropy", "importance_sampling", "ppo")
+LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo")
 REQUIRED = {
     "cross_entropy": ("target_tokens", "weights"),
     "importance_sampling": ("target_tokens", "logprobs", "advantages"),
     "ppo": ("target_tokens", "logprobs", "advantages"),
+    "cispo": ("target_tokens", "logprobs", "advantages"),
 }
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]

@@ -11,6 +11,7 @@ Losses (per target token t, `lp` the model's logprob of the target, summed over 
 - `importance_sampling`: -exp(lp_t - logprobs_t) * advantages_t
 - `ppo`: -min(r_t * A_t, clip(r_t, clip_low_threshold, clip_high_threshold) * A_t),
   r_t = exp(lp_t - logprobs_t); thresholds from `loss_fn_config` (default 0.8 and 1.2).
+- `cispo`: -stop_gradient(clip(r_t, low, high)) * A_t * lp_t (same thresholds).
 """
 
 from __future__ import annotations
@@ -52,9 +53,12 @@ def _loss(
     advantages = given("advantages")
     if loss_fn == "importance_sampling":
         return -ratio * advantages
-    low = config.get("clip_low_threshold", 0.8)
-    high = config.get("clip_high_threshold", 1.2)
-    return -torch.min(ratio * advantages, torch.clamp(ratio, low, high) * advantages)
+    clipped = torch.clamp(
+        ratio, config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2)
+    )
+    if loss_fn == "cispo":  # the clipped ratio weighs the logprob's gradient; none through it
+        return -clipped.detach() * advantages * lp
+    return -torch.min(ratio * advantages, clipped * advantages)
 
 
 def forward_backward(
