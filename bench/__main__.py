@@ -16,6 +16,7 @@ from bench import (
     reads,
     runs,
     stalls,
+    tinker,
     uploads,
     webhooks_fair,
 )
@@ -35,6 +36,7 @@ def main() -> None:
     checkpoints.run()
     abandoned.run()
     pool.run()
+    tinker.run()
     asyncio.run(webhooks_fair.run())
 
 
