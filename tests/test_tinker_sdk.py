@@ -149,7 +149,7 @@ def test_refused_requests_raise_the_sdks_errors(server: Server) -> None:
         "token outside vocabulary": ("BadRequestError", "token 99999 is outside the vocabulary"),
         "missing advantages": ("BadRequestError", "loss_fn_inputs.advantages is required"),
         "unknown loss": ("BadRequestError", "loss_fn 'dpo' is not supported"),
-        "unknown sampler": ("NotFoundError", "no sampler weights"),
+        "unknown sampler": ("NotFoundError", "model_path: no checkpoint at"),
         "prompt outside vocabulary": ("BadRequestError", "outside the vocabulary"),
         "top_k": ("BadRequestError", "sampling_params.top_k: not supported here yet"),
     }
@@ -163,7 +163,8 @@ def test_a_saved_state_loads_back_with_its_optimizer_even_after_a_restart(
 ) -> None:
     """save_state, load_state_with_optimizer, and, after `trainyard serve` restarted,
     create_training_client_from_state_with_optimizer: the same weights and the same next
-    step (AdamW's moments came back too). Last in this module: it restarts the server."""
+    step (AdamW's moments came back too); a sampler saved before the restart samples the
+    same after it. Last in this module: it restarts the server."""
     script = (DATA / "state.py").read_text()
     ran = run_sdk(server, script, "save")
     assert ran.returncode == 0, ran.stdout + ran.stderr + server.tail()
@@ -173,9 +174,12 @@ def test_a_saved_state_loads_back_with_its_optimizer_even_after_a_restart(
     assert saved["loaded"] == pytest.approx(saved["at_mid"], abs=1e-6)
 
     server.start({"TRAINYARD_API_KEYS": KEY})  # the same data directory and database
-    ran = run_sdk(server, script, "resume", saved["path"])
+    ran = run_sdk(server, script, "resume", saved["path"], saved["sampler_path"])
     assert ran.returncode == 0, ran.stdout + ran.stderr + server.tail()
     resumed = json.loads(ran.stdout.strip().splitlines()[-1])
     assert resumed["loaded"] == pytest.approx(saved["at_mid"], abs=1e-6)
     assert resumed["next"] == pytest.approx(saved["next"], abs=1e-5)
     assert resumed["model_id"].endswith(":train:0")
+    # A sampler's path saved before the restart samples the same weights after it.
+    assert saved["sampler_path"].endswith("/sampler_weights/frozen")
+    assert resumed["said"] == saved["said"] and len(saved["said"]) == 6

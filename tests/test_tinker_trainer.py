@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import re
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -150,7 +152,7 @@ def test_what_a_loss_cannot_take_is_refused_naming_the_datum(
         spec.check_data(100, loss_fn, [d])
 
 
-def test_a_sampler_keeps_the_weights_it_was_saved_with(tiny: str) -> None:
+def test_a_sampler_keeps_the_weights_it_was_saved_with(tiny: str, tmp_path: Path) -> None:
     p = policy(tiny)
     saved = trainer.adapter_state(p)
 
@@ -168,6 +170,15 @@ def test_a_sampler_keeps_the_weights_it_was_saved_with(tiny: str) -> None:
     trained = lora_weights(p)
     assert draw() == before  # the old weights, swapped in for the sample ...
     assert all(torch.equal(w, lora_weights(p)[n]) for n, w in trained.items())  # ... and out
+    # The same weights read back from a checkpoint directory sample the same.
+    p.save(tmp_path, 1)
+    from_disk = trainer.read_adapter(tmp_path)
+    options: dict[str, Any] = {
+        "n": 4, "max_tokens": 3, "temperature": 1.0, "top_p": 1.0, "stop_ids": set(), "seed": 1
+    }  # fmt: skip
+    again = trainer.sample(p, from_disk, [5, 6], **options)
+    now = trainer.sample(p, trainer.adapter_state(p), [5, 6], **options)
+    assert [s.token_ids for s in again] == [s.token_ids for s in now]
 
 
 async def test_a_future_not_ready_in_time_is_none_then_its_result() -> None:

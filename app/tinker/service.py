@@ -10,7 +10,8 @@ lock.
 
 `save_weights_for_sampler` and `save_weights` (save_state) write the adapter as the run's
 next checkpoint step, so the registry lists it and the gateway serves it as `<run>@<step>`;
-a sampler keeps a copy of the weights in memory (`tinker://<run>/sampler_weights/<name>`).
+a sampler (`tinker://<run>/sampler_weights/<name>`) samples from a copy of the weights in
+memory, or from that checkpoint (an older sampler, or one saved before a restart).
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ from app.tinker import spec, wire
 from app.tinker.futures import Futures, Result
 
 PROJECT = "tinker"
+# Samplers that keep their weights in memory (the newest); the others read them from their
+# checkpoint again when asked to sample (an RL loop makes a sampler every step).
+WEIGHTS_IN_MEMORY = 8
 SCHEME = "tinker://"
 SAMPLER = "sampler_weights"
 MAX_CONTEXT = 2048
@@ -72,11 +76,17 @@ class _Named:
 
 @dataclass
 class Sampler:
+    """What a sampling session samples from: a policy (None: the base model's, adapter off)
+    with `weights` as its adapter, kept in memory for the newest samplers and read again from
+    the checkpoint `directory` for the others."""
+
     sampler_id: str
     base_model: str
     model_path: str | None
     run: Run | None
-    weights: dict[str, Any] | None
+    policy: Any | None = None
+    weights: dict[str, Any] | None = None
+    directory: Path | None = None
 
 
 class TinkerService:
@@ -94,6 +104,7 @@ class TinkerService:
         self.saved: dict[str, tuple[str, int]] = {}  # tinker path -> (registry model, step)
         self._base_policies: dict[str, Any] = {}
         self._base_lock = asyncio.Lock()
+        self._in_memory: list[Sampler] = []  # samplers holding their weights, oldest first
 
     async def close(self) -> None:
         await self.futures.close()
@@ -296,7 +307,15 @@ class TinkerService:
             self.saved[path] = (run.name, step)
             if kind != SAMPLER:
                 return Result(json={"type": "save_weights", "path": path})
-            sampler = self._add_sampler(run.base_model, path, run, weights)
+            directory = self._directory(run, step)
+            sampler = self._new_sampler(
+                run.base_model,
+                path,
+                run=run,
+                policy=run.policy,
+                weights=weights,
+                directory=directory,
+            )
             return Result(
                 json={
                     "type": "save_weights_for_sampler",
@@ -306,6 +325,9 @@ class TinkerService:
             )
 
         return self.futures.submit(f"{run.model_id}:save_{kind}:{body.get('seq_id')}", go())
+
+    def _directory(self, run: Run, step: int) -> Path:
+        return Path(self.backends.get("cpu").backend.location(_Named(run.name, PROJECT), step))
 
     def _save(self, run: Run) -> tuple[dict[str, Any], int]:
         """The adapter's weights now, also written as the run's next checkpoint step (a row of
@@ -320,15 +342,15 @@ class TinkerService:
         run.step = step
         return weights, step
 
-    async def _checkpoint(self, path: Any) -> tuple[ModelRow, Path]:
+    async def _checkpoint(self, path: Any, field: str = "path") -> tuple[ModelRow, Path]:
         """The registry model and the checkpoint directory a `tinker://` path names: one saved
         by this process, or, after a restart, one whose name is an alias (see `save`)."""
         if not isinstance(path, str) or not path.startswith(SCHEME):
-            raise TinkerError(400, "path: a tinker:// path")
+            raise TinkerError(400, f"{field}: a tinker:// path")
         parts = path.removeprefix(SCHEME).split("/")
         if len(parts) != 3 or parts[1] not in (SAMPLER, "weights"):
             raise TinkerError(
-                400, f"path: {path!r} is not tinker://<run>/<weights|sampler_weights>/<name>"
+                400, f"{field}: {path!r} is not tinker://<run>/<weights|sampler_weights>/<name>"
             )
         async with self.sessions() as session:
             row = await session.get(ModelRow, parts[0])
@@ -344,7 +366,7 @@ class TinkerService:
                 dirs.checkpoint, _Named(row.name, PROJECT), found[1]
             )
         if row is None or found is None or directory is None:
-            raise TinkerError(404, f"path: no checkpoint at {path!r}")
+            raise TinkerError(404, f"{field}: no checkpoint at {path!r}")
         return row, directory
 
     async def load(self, body: dict[str, Any]) -> tuple[str, str]:
@@ -358,15 +380,7 @@ class TinkerService:
             session_id = str(body["session_id"])
             if session_id not in self.tinker_sessions:
                 raise TinkerError(404, f"session_id: no session {session_id!r}")
-            config = row.config or {}
-            targets = config.get("target_modules") or []
-            lora = spec.Lora(
-                rank=int(config.get("lora_rank", 8)),
-                seed=int(config.get("seed", 0)),
-                train_mlp="up_proj" in targets,
-                train_attn="q_proj" in targets,
-                train_unembed="lm_head" in targets,
-            )
+            lora = lora_of(row)
             base = str(body.get("base_model") or row.base_model)
             run = await self._open_run(
                 session_id, body.get("model_seq_id"), base, await self.resolve_base(base), lora
@@ -384,29 +398,53 @@ class TinkerService:
 
     # -- sampling ----------------------------------------------------------------------
 
-    def _add_sampler(
-        self, base_model: str, path: str | None, run: Run | None, weights: dict[str, Any] | None
-    ) -> Sampler:
-        sampler = Sampler(f"sampler-{secrets.token_hex(6)}", base_model, path, run, weights)
+    def _add_sampler(self, sampler: Sampler) -> Sampler:
         self.samplers[sampler.sampler_id] = sampler
-        if path is not None:
-            self.by_path[path] = sampler.sampler_id
+        if sampler.model_path is not None:
+            self.by_path[sampler.model_path] = sampler.sampler_id
+        if sampler.weights is not None:  # the newest keep their weights in memory
+            self._in_memory.append(sampler)
+            while len(self._in_memory) > WEIGHTS_IN_MEMORY:
+                self._in_memory.pop(0).weights = None
         return sampler
+
+    def _new_sampler(self, base_model: str, path: str | None, **source: Any) -> Sampler:
+        return self._add_sampler(
+            Sampler(f"sampler-{secrets.token_hex(6)}", base_model, path, **source)
+        )
 
     async def create_sampling_session(self, body: dict[str, Any]) -> str:
         path, base = body.get("model_path"), body.get("base_model")
         if path:
             found = self.by_path.get(str(path))
-            if found is None:
-                raise TinkerError(404, f"model_path: no sampler weights at {path!r}")
-            existing = self.samplers[found]
-            return self._add_sampler(
-                existing.base_model, existing.model_path, existing.run, existing.weights
+            if found is not None:
+                old = self.samplers[found]
+                source = {"policy": old.policy, "weights": old.weights, "directory": old.directory}
+                return self._new_sampler(
+                    old.base_model, old.model_path, run=old.run, **source
+                ).sampler_id
+            # Saved before this process started: the registry knows the step by its alias.
+            row, directory = await self._checkpoint(path, "model_path")
+            policy = await self._restored_policy(row)
+            return self._new_sampler(
+                row.base_model, str(path), run=None, policy=policy, directory=directory
             ).sampler_id
         if not base:
             raise TinkerError(400, "base_model: required when model_path is not given")
         await self.resolve_base(str(base))
-        return self._add_sampler(str(base), None, None, None).sampler_id
+        return self._new_sampler(str(base), None, run=None).sampler_id
+
+    async def _restored_policy(self, row: ModelRow) -> Any:
+        """A policy for a run of an earlier process: its base model and LoRA config."""
+        live = next((run for run in self.runs.values() if run.name == row.name), None)
+        if live is not None:
+            return live.policy
+        async with self._base_lock:
+            if row.name not in self._base_policies:
+                self._base_policies[row.name] = await asyncio.to_thread(
+                    _trainer().load_policy, row.base_model, lora_of(row), self.settings.cpu_device
+                )
+            return self._base_policies[row.name]
 
     def sampler(self, sampler_id: str) -> Sampler:
         sampler = self.samplers.get(sampler_id)
@@ -465,7 +503,7 @@ class TinkerService:
         stop = params.get("stop") or []
         if isinstance(stop, str):
             stop = [stop]
-        policy = sampler.run.policy if sampler.run else await self._base_policy(sampler.base_model)
+        policy = sampler.policy or await self._base_policy(sampler.base_model)
         stop_ids = self._stop_ids(policy, stop)
         vocab = vocab_size(policy)
         bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab]
@@ -478,12 +516,15 @@ class TinkerService:
 
         def work() -> Result:
             scores = None
+            weights = sampler.weights
+            if weights is None and sampler.directory is not None:
+                weights = _trainer().read_adapter(sampler.directory, policy.device)
             with policy.lock:
                 if with_prompt:
-                    scores = _trainer().prompt_logprobs(policy, sampler.weights, prompt, last_n)
+                    scores = _trainer().prompt_logprobs(policy, weights, prompt, last_n)
                 samples = _trainer().sample(
                     policy,
-                    sampler.weights,
+                    weights,
                     prompt,
                     n=n,
                     max_tokens=int(max_tokens),
@@ -532,6 +573,19 @@ def _trainer() -> ModuleType:
     from app.tinker import trainer
 
     return trainer
+
+
+def lora_of(row: ModelRow) -> spec.Lora:
+    """The LoRA config a run's registry model was made with."""
+    config = row.config or {}
+    targets = config.get("target_modules") or []
+    return spec.Lora(
+        rank=int(config.get("lora_rank", 8)),
+        seed=int(config.get("seed", 0)),
+        train_mlp="up_proj" in targets,
+        train_attn="q_proj" in targets,
+        train_unembed="lm_head" in targets,
+    )
 
 
 def vocab_size(policy: Any) -> int:

@@ -143,7 +143,10 @@ def weights_of(policy: Policy, weights: dict[str, torch.Tensor] | None) -> Itera
             yield
         return
     live = adapter_state(policy)
-    if all(torch.equal(live[k], v) for k, v in weights.items()):
+    if all(
+        k in live and live[k].device == v.device and torch.equal(live[k], v)
+        for k, v in weights.items()
+    ):
         yield
         return
     set_peft_model_state_dict(policy.model, weights)
@@ -195,13 +198,19 @@ def prompt_logprobs(
     return scores
 
 
+def read_adapter(directory: Path, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """The adapter weights a checkpoint directory holds, as `adapter_state` gives them."""
+    from safetensors.torch import load_file
+
+    return load_file(str(directory / "adapter_model.safetensors"), device=str(device))
+
+
 def load_state(policy: Policy, directory: Path, *, with_optimizer: bool) -> None:
     """The adapter saved in `directory` (and, `with_optimizer`, AdamW's moments), with no
     gradient pending. Without the optimizer's state the next step starts a fresh AdamW."""
     from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
 
-    set_peft_model_state_dict(policy.model, load_file(str(directory / "adapter_model.safetensors")))
+    set_peft_model_state_dict(policy.model, read_adapter(directory, policy.device))
     policy.model.zero_grad(set_to_none=True)
     policy.optimizer = None
     saved = directory / "optimizer.pt"
