@@ -81,3 +81,19 @@ async def test_a_refused_run_stores_nothing(live: LiveServer) -> None:
     heartbeat = {"session_id": session["session_id"]}
     beat = await client.post(f"{V1}/session_heartbeat", json=heartbeat, headers=AUTH)
     assert beat.json() == {"type": "session_heartbeat"}
+
+
+async def test_training_runs_of_the_registry(live: LiveServer) -> None:
+    client = live.client
+    page = await client.get(f"{V1}/training_runs", headers=AUTH)
+    assert page.json() == {
+        "training_runs": [],
+        "cursor": {"offset": 0, "limit": 20, "total_count": 0},
+    }
+    for path, status, field in [
+        ("training_runs?limit=0", 400, "limit"),
+        ("training_runs/nope", 404, "training_run_id"),
+        ("training_runs/s1:train:0/checkpoints", 404, "training_run_id"),
+    ]:
+        answer = await client.get(f"{V1}/{path}", headers=AUTH)
+        assert answer.status_code == status and answer.json()["detail"].startswith(f"{field}:")

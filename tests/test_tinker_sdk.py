@@ -100,6 +100,10 @@ def test_a_supervised_loop_lowers_cross_entropy(server: Server) -> None:
     # `forward`: one logprob and one loss per target token; masked positions lose nothing.
     assert len(result["logprobs"]) == result["targets"] == len(result["elementwise_loss"])
     assert result["elementwise_loss"][:3] == [0.0, 0.0, 0.0]
+    # The RestClient's views: the run by the SDK's model id, its one checkpoint, the run list.
+    assert result["run"] == [run, 4, result["path"]]
+    assert result["checkpoints"] == [["sampler_weights/final", "sampler", result["path"]]]
+    assert run in result["runs"] and result["runs_total"] >= 1
     # The saved weights learnt the sentence: a greedy sample continues its prefix.
     assert result["path"] == f"tinker://{run}/sampler_weights/final"
     assert result["sampled"] == result["sentence"], result

@@ -216,6 +216,32 @@ async def retrieve_future(request: Request) -> Response:
     return JSONResponse(result.json)
 
 
+@router.get("/training_runs", response_model=None)
+async def list_training_runs(
+    request: Request, limit: int = 20, offset: int = 0
+) -> dict[str, Any] | JSONResponse:
+    try:
+        return await service(request).training_runs(limit, offset)
+    except TinkerError as exc:
+        return refused(request, exc)
+
+
+@router.get("/training_runs/{training_run_id}", response_model=None)
+async def get_training_run(request: Request, training_run_id: str) -> Any:
+    try:
+        return await service(request).training_run(training_run_id)
+    except TinkerError as exc:
+        return refused(request, exc)
+
+
+@router.get("/training_runs/{training_run_id}/checkpoints", response_model=None)
+async def list_checkpoints(request: Request, training_run_id: str) -> Any:
+    try:
+        return await service(request).training_run(training_run_id, checkpoints=True)
+    except TinkerError as exc:
+        return refused(request, exc)
+
+
 @router.post("/telemetry")
 async def telemetry() -> dict[str, str]:
     return {"status": "accepted"}

@@ -33,14 +33,13 @@ from app.registry.models import create_model
 from app.schemas.checkpoints import ALIAS_PATTERN, BUILTIN_ALIASES
 from app.schemas.models import ModelCreate
 from app.settings import Settings
-from app.tinker import spec, wire
+from app.tinker import listing, spec, wire
 from app.tinker.futures import Futures, Result
 
-PROJECT = "tinker"
+PROJECT, SCHEME = listing.PROJECT, listing.SCHEME
 # Samplers that keep their weights in memory (the newest); the others read them from their
 # checkpoint again when asked to sample (an RL loop makes a sampler every step).
 WEIGHTS_IN_MEMORY = 8
-SCHEME = "tinker://"
 SAMPLER = "sampler_weights"
 MAX_CONTEXT = 2048
 
@@ -395,6 +394,28 @@ class TinkerService:
             return Result(json={"type": "load_weights", "path": path, "model_id": run.model_id})
 
         return self.submit(run, seq_id, "load_weights", work), run.model_id
+
+    # -- the RestClient's views ----------------------------------------------------------
+
+    async def training_runs(self, limit: int, offset: int) -> dict[str, Any]:
+        if not 1 <= limit <= 1000 or offset < 0:
+            raise TinkerError(400, "limit: from 1 to 1000, and offset: 0 or more")
+        async with self.sessions() as session:
+            return await listing.training_runs(session, self._dirs(), self.saved, limit, offset)
+
+    async def training_run(self, training_run_id: str, *, checkpoints: bool = False) -> Any:
+        name = listing.run_name(training_run_id)
+        async with self.sessions() as session:
+            row = await session.get(ModelRow, name)
+            if row is None or row.project != PROJECT:
+                raise TinkerError(404, f"training_run_id: no training run {training_run_id!r}")
+            if checkpoints:
+                found = await listing.checkpoints(session, self._dirs(), self.saved, name)
+                return {"checkpoints": found}
+            return await listing.training_run(session, self._dirs(), self.saved, row)
+
+    def _dirs(self) -> Any:
+        return self.backends.get("cpu").backend
 
     # -- sampling ----------------------------------------------------------------------
 

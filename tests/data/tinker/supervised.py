@@ -34,6 +34,10 @@ prompt = types.ModelInput.from_ints(tokens[:4])
 greedy = types.SamplingParams(max_tokens=len(tokens) - 4, temperature=0.0)
 sampled = sampler.sample(prompt, num_samples=1, sampling_params=greedy).result().sequences[0]
 scored = sampler.compute_logprobs(types.ModelInput.from_ints(tokens)).result()
+rest = service.create_rest_client()  # the run and its checkpoints, as the registry has them
+run = rest.get_training_run(info.model_id).result()
+listed = rest.list_checkpoints(run.training_run_id).result().checkpoints
+runs = rest.list_training_runs(limit=50).result()
 print(
     json.dumps(
         {
@@ -47,6 +51,10 @@ print(
             "elementwise_loss": outputs["elementwise_loss"].tolist(),
             "targets": len(tokens) - 1,
             "path": path,
+            "run": [run.training_run_id, run.lora_rank, run.last_sampler_checkpoint.tinker_path],
+            "checkpoints": [[c.checkpoint_id, c.checkpoint_type, c.tinker_path] for c in listed],
+            "runs": [r.training_run_id for r in runs.training_runs],
+            "runs_total": runs.cursor.total_count,
             "sentence": tokens[4:],
             "sampled": sampled.tokens,
             "sampled_logprobs": len(sampled.logprobs),
