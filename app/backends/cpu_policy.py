@@ -114,7 +114,9 @@ class Policy:
     # -- adapters on disk ---------------------------------------------------------------
 
     def save(self, path: Path, step: int) -> None:
-        self.model.save_pretrained(str(path))
+        # The adapter alone: with `lm_head` among the targets (a Tinker run's train_unembed)
+        # peft would also save the base model's whole output layer in every checkpoint.
+        self.model.save_pretrained(str(path), save_embedding_layers=False)
         self.loaded_step = step
         if self.optimizer is not None:
             torch.save(self.optimizer.state_dict(), path / "optimizer.pt")
