@@ -27,6 +27,8 @@ async def test_the_sdks_key_header_opens_the_tinker_paths_only(live: LiveServer)
     config = await client.post(f"{V1}/client/config", json={"sdk_version": "0.38.0"}, headers=AUTH)
     assert config.status_code == 200 and config.json()["use_pyqwest_transport"] is False
     assert (await client.get("/v1/models", headers=AUTH)).status_code == 401
+    dynamic = await client.post(f"{V1}/client/dynamic_config", json={}, headers=AUTH)
+    assert dynamic.json()["sample_cancel_enabled"] is False
     bearer = {"Authorization": f"Bearer {KEY}"}
     assert (await client.get(f"{V1}/get_server_capabilities", headers=bearer)).status_code == 200
 

@@ -62,6 +62,12 @@ async def client_config() -> dict[str, Any]:
     return {"use_pyqwest_transport": False, "proto_compress_fwdbwd": False}
 
 
+@router.post("/client/dynamic_config")
+async def client_dynamic_config() -> dict[str, Any]:
+    # No cancel requests: an abandoned sample runs to its end (it is short here).
+    return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
+
+
 @router.get("/healthz")
 async def healthz() -> dict[str, str]:
     return {"status": "ok"}
