@@ -12,6 +12,8 @@ NAT_VENV  ?= .venv-nat
 NAT_STAMP := $(NAT_VENV)/.installed
 SKY_VENV  ?= .venv-sky
 SKY_STAMP := $(SKY_VENV)/.installed
+TINKER_VENV  ?= .venv-tinker
+TINKER_STAMP := $(TINKER_VENV)/.installed
 
 .PHONY: run test test-312 lint typecheck check openapi bench bench-compare clean
 
@@ -59,6 +61,16 @@ $(SKY_STAMP): constraints-sky.txt
 	$(SKY_VENV)/bin/python -m pip install --quiet -c constraints-sky.txt skypilot==0.14.1
 	@touch $(SKY_STAMP)
 
+# The Tinker SDK (tinker 0.38.0) in an environment of its own: it is a client, and the server
+# depends neither on it nor on protobuf (app/tinker/wire.py reads and writes its messages).
+# tests/test_tinker_sdk.py runs programs written against it from here.
+# constraints-tinker.txt is this environment's `pip freeze`.
+$(TINKER_STAMP): constraints-tinker.txt
+	$(PYTHON) -m venv $(TINKER_VENV)
+	$(TINKER_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(TINKER_VENV)/bin/python -m pip install --quiet -c constraints-tinker.txt tinker==0.38.0
+	@touch $(TINKER_STAMP)
+
 ## Serve the API and an in-process worker on http://127.0.0.1:8000 (embedded SQLite), with
 ## a tiny model registered as `demo` on the cpu backend (TRAINYARD_DEMO_MODEL=false: none).
 run: $(STAMP)
@@ -67,7 +79,7 @@ run: $(STAMP)
 
 ## Run the whole test suite (SQLite; also Postgres when TRAINYARD_TEST_DATABASE_URL is set),
 ## with the environments the ART 0.5.23 and `nat finetune` tests run.
-test: $(STAMP) $(ART_STAMP) $(NAT_STAMP) $(SKY_STAMP)
+test: $(STAMP) $(ART_STAMP) $(NAT_STAMP) $(SKY_STAMP) $(TINKER_STAMP)
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 
 ## The suite again on Python 3.12 with openpipe-art 0.5.23 (.venv-art), on SQLite only. It

@@ -23,6 +23,7 @@ from app.api import (
     models,
     rollout_jobs,
     runs,
+    tinker,
     training_jobs,
     webhooks,
     workers,
@@ -69,9 +70,12 @@ def create_app(
         app.state.backends = process.backends
         app.state.gateway = process.gateway
         app.state.worker = process.worker
+        app.state.tinker = None  # the Tinker surface's state, made on its first request
         try:
             yield
         finally:
+            if app.state.tinker is not None:
+                await app.state.tinker.close()
             await process.close()
 
     app = FastAPI(
@@ -123,6 +127,7 @@ def create_app(
         webhooks.router,
         workers.router,
         docs.router(app),
+        tinker.router,
         dashboard.router(),
     ]:
         app.include_router(router)

@@ -17,6 +17,7 @@ from bench import (
     reads,
     runs,
     stalls,
+    tinker,
     uploads,
     webhooks_fair,
 )
@@ -37,6 +38,7 @@ def main() -> None:
     merged_export.run()
     abandoned.run()
     pool.run()
+    tinker.run()
     asyncio.run(webhooks_fair.run())
 
 

@@ -52,6 +52,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "app.runs",
             "app.webhooks",
             "app.gateway",
+            "app.tinker",
         ),
     ),
     (

@@ -545,6 +545,7 @@ def test_dockerignore_keeps_secrets_and_virtualenvs_out() -> None:
         ".venv/bin/python",
         ".venv-art/bin/python",
         ".venv-nat/bin/python",
+        ".venv-tinker/bin/python",
         ".env",
         "app/__pycache__/x.cpython-311.pyc",
     ):

@@ -35,6 +35,11 @@ class CpuConfig(BaseModel):
     lora_rank: int = Field(default=8, ge=1, le=256)
     lora_alpha: int = Field(default=16, ge=1)
     seed: int = Field(default=0, description="Seeds the adapter's initialization.")
+    target_modules: list[str] | None = Field(
+        default=None,
+        description="The modules the adapter trains (None: every attention and MLP "
+        "projection). A Tinker run names its own (`lm_head` with `train_unembed`).",
+    )
 
 
 class CpuHyperparameters(BaseModel):
@@ -161,6 +166,7 @@ class CpuBackend(CheckpointDirs):
             alpha=config.lora_alpha,
             seed=config.seed,
             device=self.device,
+            **({"target_modules": config.target_modules} if config.target_modules else {}),
         )
         if not self.sync(model, policy):
             with self.writing(model, 0, replace=False) as partial:

@@ -84,12 +84,20 @@ class Policy:
     """A base model plus a LoRA adapter, its optimizer, and the lock that guards them."""
 
     def __init__(
-        self, base_model: str, *, rank: int, alpha: int, seed: int, device: str = "cpu"
+        self,
+        base_model: str,
+        *,
+        rank: int,
+        alpha: int,
+        seed: int,
+        device: str = "cpu",
+        target_modules: Sequence[str] = TARGET_MODULES,
     ) -> None:
         self.device = torch.device(resolve_device(device))
         self.tokenizer = AutoTokenizer.from_pretrained(base_model, local_files_only=True)
         base = AutoModelForCausalLM.from_pretrained(base_model, local_files_only=True)
-        targets = [m for m in TARGET_MODULES if any(n.endswith(m) for n, _ in base.named_modules())]
+        names = [n for n, _ in base.named_modules()]
+        targets = [m for m in target_modules if any(n.endswith(m) for n in names)]
         config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0)
         with seeded(seed):  # the adapter's first weights (drawn on the CPU, on any device)
             self.model: PeftModel = get_peft_model(base, config)
@@ -107,7 +115,9 @@ class Policy:
     # -- adapters on disk ---------------------------------------------------------------
 
     def save(self, path: Path, step: int) -> None:
-        self.model.save_pretrained(str(path))
+        # The adapter alone: with `lm_head` among the targets (a Tinker run's train_unembed)
+        # peft would also save the base model's whole output layer in every checkpoint.
+        self.model.save_pretrained(str(path), save_embedding_layers=False)
         self.loaded_step = step
         if self.optimizer is not None:
             torch.save(self.optimizer.state_dict(), path / "optimizer.pt")

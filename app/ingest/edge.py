@@ -23,6 +23,9 @@ _CLOSE = {"Connection": "close"}
 BODY = "trainyard.body"
 """The scope key under which `RequestBody` leaves the body it read (see `body_of`)."""
 JOIN_IN_THREAD = 1 << 20
+TINKER_PATHS = "/tinker/"
+"""Paths of the Tinker surface, whose SDK sends its key as `X-API-Key` (a `tml-` key from
+TRAINYARD_API_KEYS: the SDK refuses keys without that prefix)."""
 
 
 async def body_of(request: Request) -> bytes:
@@ -83,7 +86,10 @@ class ApiKeys:
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)
-        if key_matches(self.keys, bearer_token(headers.get("authorization"))):
+        given = bearer_token(headers.get("authorization"))
+        if given is None and _route_path(scope).startswith(TINKER_PATHS):
+            given = headers.get("x-api-key")  # how the Tinker SDK sends its key
+        if key_matches(self.keys, given):
             await self.app(scope, receive, send)
             return
         response = problem_response(

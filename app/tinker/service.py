@@ -1,0 +1,631 @@
+"""The Tinker surface's rules: sessions, training runs, samplers, and the operations on them.
+
+A training run (the SDK's `model_id`, `<session>:train:<seq>`) is a Trainyard model of the
+cpu backend named `tinker-<session>-<seq>`, in project `tinker`, over a base model the cpu
+backend can load: a registered cpu model's name (its `base_model` directory) or such a
+directory itself. Its policy (the base model with a LoRA adapter of the requested rank, seed
+and targets) lives in this process. Operations on one run run one at a time, in the order
+they arrived (an asyncio lock is first-come first-served), in a thread, under the policy's
+lock.
+
+`save_weights_for_sampler` and `save_weights` (save_state) write the adapter as the run's
+next checkpoint step, so the registry lists it and the gateway serves it as `<run>@<step>`;
+a sampler (`tinker://<run>/sampler_weights/<name>`) samples from a copy of the weights in
+memory, or from that checkpoint (an older sampler, or one saved before a restart).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from app.backends.cpu import base_model_refusal
+from app.checkpoints.service import set_alias
+from app.models import ModelAliasRow, ModelRow
+from app.registry.models import create_model
+from app.schemas.checkpoints import ALIAS_PATTERN, BUILTIN_ALIASES
+from app.schemas.models import ModelCreate
+from app.settings import Settings
+from app.tinker import listing, spec, wire
+from app.tinker.futures import Futures, Result
+
+PROJECT, SCHEME = listing.PROJECT, listing.SCHEME
+# Samplers that keep their weights in memory (the newest); the others read them from their
+# checkpoint again when asked to sample (an RL loop makes a sampler every step).
+WEIGHTS_IN_MEMORY = 8
+SAMPLER = "sampler_weights"
+MAX_CONTEXT = 2048
+
+
+class TinkerError(Exception):
+    """A request refused at once: `status` and a message naming the bad field."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Run:
+    model_id: str  # the SDK's: `<session>:train:<seq>` (it derives it itself on load_state)
+    name: str  # the registry's model, and the run in `tinker://<name>/…` paths
+    base_model: str  # as the client named it
+    base_dir: str
+    lora: spec.Lora
+    policy: Any
+    vocab: int
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    step: int = 0  # checkpoint steps written (sampler saves)
+
+
+@dataclass(frozen=True)
+class _Named:
+    """What the checkpoint directories need of a model."""
+
+    name: str
+    project: str
+
+
+@dataclass
+class Sampler:
+    """What a sampling session samples from: a policy (None: the base model's, adapter off)
+    with `weights` as its adapter, kept in memory for the newest samplers and read again from
+    the checkpoint `directory` for the others."""
+
+    sampler_id: str
+    base_model: str
+    model_path: str | None
+    run: Run | None
+    policy: Any | None = None
+    weights: dict[str, Any] | None = None
+    directory: Path | None = None
+
+
+class TinkerService:
+    def __init__(
+        self, settings: Settings, sessions: async_sessionmaker[AsyncSession], backends: Any
+    ) -> None:
+        self.settings = settings
+        self.sessions = sessions
+        self.backends = backends
+        self.futures = Futures()
+        self.tinker_sessions: dict[str, int] = {}  # session id -> heartbeats
+        self.runs: dict[str, Run] = {}
+        self.samplers: dict[str, Sampler] = {}
+        self.by_path: dict[str, str] = {}  # tinker path -> sampler id
+        self.saved: dict[str, tuple[str, int]] = {}  # tinker path -> (registry model, step)
+        self._base_policies: dict[str, Any] = {}
+        self._base_lock = asyncio.Lock()
+        self._in_memory: list[Sampler] = []  # samplers holding their weights, oldest first
+
+    async def close(self) -> None:
+        await self.futures.close()
+
+    # -- sessions and capabilities -----------------------------------------------------
+
+    def create_session(self) -> str:
+        session_id = f"s{secrets.token_hex(6)}"
+        self.tinker_sessions[session_id] = 0
+        return session_id
+
+    def heartbeat(self, session_id: str) -> None:
+        if session_id not in self.tinker_sessions:
+            raise TinkerError(404, f"session_id: no session {session_id!r}")
+        self.tinker_sessions[session_id] += 1
+
+    async def capabilities(self) -> list[dict[str, Any]]:
+        from sqlalchemy import select
+
+        async with self.sessions() as session:
+            rows = (await session.scalars(select(ModelRow).where(ModelRow.backend == "cpu"))).all()
+        return [
+            {
+                "model_name": row.name,
+                "max_context_length": MAX_CONTEXT,
+                "trainable": True,
+                "sampleable": True,
+            }
+            for row in rows
+            if row.project != PROJECT
+        ]
+
+    async def resolve_base(self, base_model: str) -> str:
+        """The local directory of `base_model`: a registered cpu model's name, or a directory
+        the cpu backend may load."""
+        async with self.sessions() as session:
+            row = await session.get(ModelRow, base_model)
+        if row is not None:
+            if row.backend != "cpu":
+                raise TinkerError(
+                    400,
+                    f"base_model: {base_model!r} is on the {row.backend!r} backend, which does "
+                    "not offer Tinker's operations (forward_backward, optim_step, sample); "
+                    "use a cpu model",
+                )
+            return row.base_model
+        refusal = base_model_refusal(base_model, self.settings.allowed_model_roots())
+        if refusal is not None or not await asyncio.to_thread(Path(base_model).is_dir):
+            raise TinkerError(
+                400,
+                f"base_model: {base_model!r} is neither a registered cpu model nor a model "
+                "directory the cpu backend may load (see get_server_capabilities)",
+            )
+        return base_model
+
+    # -- training runs -----------------------------------------------------------------
+
+    async def create_model(self, body: dict[str, Any]) -> str:
+        session_id, seq = str(body.get("session_id", "")), body.get("model_seq_id")
+        if session_id not in self.tinker_sessions:
+            raise TinkerError(404, f"session_id: no session {session_id!r}")
+        lora_body = body.get("lora_config") or {}
+        rank = lora_body.get("rank", 32)
+        if not isinstance(rank, int) or not 1 <= rank <= 256:
+            raise TinkerError(400, "lora_config.rank: must be an integer from 1 to 256")
+        lora = spec.Lora(
+            rank=rank,
+            seed=int(lora_body.get("seed") or 0),
+            train_mlp=bool(lora_body.get("train_mlp", True)),
+            train_attn=bool(lora_body.get("train_attn", True)),
+            train_unembed=bool(lora_body.get("train_unembed", True)),
+        )
+        base_model = str(body.get("base_model", ""))
+        base_dir = await self.resolve_base(base_model)
+        run = await self._open_run(session_id, seq, base_model, base_dir, lora)
+        return run.model_id
+
+    async def _open_run(
+        self, session_id: str, seq: Any, base_model: str, base_dir: str, lora: spec.Lora
+    ) -> Run:
+        """The run `<session>:train:<seq>`: its registry model and its policy (made once)."""
+        model_id, name = f"{session_id}:train:{seq}", f"tinker-{session_id}-{seq}"
+        async with self.sessions() as session:
+            config = {
+                "lora_rank": lora.rank,
+                "lora_alpha": spec.LORA_ALPHA,
+                "seed": lora.seed,
+                "target_modules": lora.targets,
+            }
+            await create_model(
+                session,
+                body=ModelCreate(
+                    name=name, project=PROJECT, base_model=base_dir, backend="cpu", config=config
+                ),
+                model_roots=self.settings.allowed_model_roots(),
+            )
+            await session.commit()
+        if model_id not in self.runs:
+            policy = await asyncio.to_thread(
+                _trainer().load_policy, base_dir, lora, self.settings.cpu_device
+            )
+            self.runs[model_id] = Run(
+                model_id, name, base_model, base_dir, lora, policy, vocab_size(policy)
+            )
+        return self.runs[model_id]
+
+    def run(self, model_id: str) -> Run:
+        run = self.runs.get(model_id)
+        if run is None:
+            raise TinkerError(404, f"model_id: no training run {model_id!r}")
+        return run
+
+    def info(self, model_id: str) -> dict[str, Any]:
+        run = self.run(model_id)
+        return {
+            "type": "get_info",
+            "model_id": model_id,
+            "model_data": {
+                "arch": "lora",
+                "model_name": run.base_model,
+                "tokenizer_id": run.base_dir,
+            },
+            "is_lora": True,
+            "lora_rank": run.lora.rank,
+            "model_name": run.base_model,
+        }
+
+    def submit(self, run: Run, seq_id: Any, kind: str, work: Any) -> str:
+        """Run `work` (a function of the policy, in a thread) after the run's earlier requests."""
+        request_id = f"{run.model_id}:{kind}:{seq_id}"
+
+        async def go() -> Result:
+            async with run.lock:
+                try:
+                    return await asyncio.to_thread(self._locked, run, work)
+                except spec.UserError as exc:
+                    return Result(error=str(exc), category="user")
+
+        return self.futures.submit(request_id, go())
+
+    @staticmethod
+    def _locked(run: Run, work: Any) -> Result:
+        with run.policy.lock:
+            result: Result = work(run.policy)
+            return result
+
+    def forward_backward(self, request: wire.ForwardBackwardRequest) -> str:
+        run = self.run(request.model_id)
+        try:  # before it is queued: the SDK raises a 400 as BadRequestError
+            spec.check_data(run.vocab, request.loss_fn, request.data)
+        except spec.UserError as exc:
+            raise TinkerError(400, str(exc)) from exc
+
+        def work(policy: Any) -> Result:
+            outputs, metrics = _trainer().forward_backward(
+                policy,
+                request.data,
+                request.loss_fn,
+                request.loss_fn_config,
+                backward=not request.forward_only,
+            )
+            return Result(proto=wire.write_forward_backward_output(outputs, metrics))
+
+        return self.submit(run, request.seq_id, "forward_backward", work)
+
+    def optim_step(self, body: dict[str, Any]) -> str:
+        run = self.run(str(body.get("model_id", "")))
+        params = {**DEFAULT_ADAM, **(body.get("adam_params") or {})}
+        lr = params["learning_rate"]
+        if not isinstance(lr, int | float) or not 0 <= lr <= 1:
+            raise TinkerError(400, "adam_params.learning_rate: must be a number from 0 to 1")
+
+        def work(policy: Any) -> Result:
+            return Result(json={"metrics": _trainer().optim_step(policy, params)})
+
+        return self.submit(run, body.get("seq_id"), "optim_step", work)
+
+    def save(self, body: dict[str, Any], kind: str) -> str:
+        """`save_weights_for_sampler` (kind `sampler_weights`) or `save_weights` (`weights`,
+        the SDK's save_state): the adapter (and the optimizer's state) as the run's next
+        checkpoint step. A name that can be an alias becomes one: as itself for a sampler's
+        weights (the gateway serves `<run>@<name>`), as `state-<name>` for a state (so a
+        `tinker://` path of it resolves after a restart)."""
+        run = self.run(str(body.get("model_id", "")))
+        name = body.get("path")
+        if name is not None and (not isinstance(name, str) or not name or "/" in name):
+            raise TinkerError(400, "path: a name without `/`")
+        alias = None if name is None else name if kind == SAMPLER else f"state-{name}"
+
+        async def go() -> Result:
+            async with run.lock:
+                weights, step = await asyncio.to_thread(self._save, run)
+                if alias and re.fullmatch(ALIAS_PATTERN, alias) and alias not in BUILTIN_ALIASES:
+                    async with self.sessions() as session:
+                        await set_alias(
+                            session, self.backends, name=run.name, alias=alias, step=step
+                        )
+                        await session.commit()
+            path = f"{SCHEME}{run.name}/{kind}/{name or f'{step:06d}'}"
+            self.saved[path] = (run.name, step)
+            if kind != SAMPLER:
+                return Result(json={"type": "save_weights", "path": path})
+            directory = self._directory(run, step)
+            sampler = self._new_sampler(
+                run.base_model,
+                path,
+                run=run,
+                policy=run.policy,
+                weights=weights,
+                directory=directory,
+            )
+            return Result(
+                json={
+                    "type": "save_weights_for_sampler",
+                    "path": path if name else None,
+                    "sampling_session_id": None if name else sampler.sampler_id,
+                }
+            )
+
+        return self.futures.submit(f"{run.model_id}:save_{kind}:{body.get('seq_id')}", go())
+
+    def _directory(self, run: Run, step: int) -> Path:
+        return Path(self.backends.get("cpu").backend.location(_Named(run.name, PROJECT), step))
+
+    def _save(self, run: Run) -> tuple[dict[str, Any], int]:
+        """The adapter's weights now, also written as the run's next checkpoint step (a row of
+        the registry: listed, exported, served by the gateway as `<run>@<step>`)."""
+        dirs = self.backends.get("cpu").backend
+        model = _Named(run.name, PROJECT)
+        with run.policy.lock:
+            weights = _trainer().adapter_state(run.policy)
+            step = dirs.step_on_disk(model) + 1
+            with dirs.writing(model, step) as partial:
+                run.policy.save(partial, step)
+        run.step = step
+        return weights, step
+
+    async def _checkpoint(self, path: Any, field: str = "path") -> tuple[ModelRow, Path]:
+        """The registry model and the checkpoint directory a `tinker://` path names: one saved
+        by this process, or, after a restart, one whose name is an alias (see `save`)."""
+        if not isinstance(path, str) or not path.startswith(SCHEME):
+            raise TinkerError(400, f"{field}: a tinker:// path")
+        parts = path.removeprefix(SCHEME).split("/")
+        if len(parts) != 3 or parts[1] not in (SAMPLER, "weights"):
+            raise TinkerError(
+                400, f"{field}: {path!r} is not tinker://<run>/<weights|sampler_weights>/<name>"
+            )
+        async with self.sessions() as session:
+            row = await session.get(ModelRow, parts[0])
+            found = self.saved.get(path)
+            if found is None and row is not None:
+                alias = parts[2] if parts[1] == SAMPLER else f"state-{parts[2]}"
+                aliased = await session.get(ModelAliasRow, (row.name, alias))
+                found = None if aliased is None else (row.name, aliased.step)
+        dirs = self.backends.get("cpu").backend
+        directory = None
+        if row is not None and row.project == PROJECT and found is not None:
+            directory = await asyncio.to_thread(
+                dirs.checkpoint, _Named(row.name, PROJECT), found[1]
+            )
+        if row is None or found is None or directory is None:
+            raise TinkerError(404, f"{field}: no checkpoint at {path!r}")
+        return row, directory
+
+    async def load(self, body: dict[str, Any]) -> tuple[str, str]:
+        """`load_weights`: into a run (`model_id`: load_state), or into a new run of the
+        session (`session_id`, `model_seq_id`: create_training_client_from_state) with the
+        checkpoint's LoRA config. With `optimizer`, the optimizer's state too."""
+        path = body.get("path")
+        row, directory = await self._checkpoint(path)
+        with_optimizer = bool(body.get("optimizer"))
+        if body.get("session_id") is not None:
+            session_id = str(body["session_id"])
+            if session_id not in self.tinker_sessions:
+                raise TinkerError(404, f"session_id: no session {session_id!r}")
+            lora = lora_of(row)
+            base = str(body.get("base_model") or row.base_model)
+            run = await self._open_run(
+                session_id, body.get("model_seq_id"), base, await self.resolve_base(base), lora
+            )
+            seq_id: Any = 0
+        else:
+            run = self.run(str(body.get("model_id", "")))
+            seq_id = body.get("seq_id")
+
+        def work(policy: Any) -> Result:
+            _trainer().load_state(policy, directory, with_optimizer=with_optimizer)
+            return Result(json={"type": "load_weights", "path": path, "model_id": run.model_id})
+
+        return self.submit(run, seq_id, "load_weights", work), run.model_id
+
+    # -- the RestClient's views ----------------------------------------------------------
+
+    async def training_runs(self, limit: int, offset: int) -> dict[str, Any]:
+        if not 1 <= limit <= 1000 or offset < 0:
+            raise TinkerError(400, "limit: from 1 to 1000, and offset: 0 or more")
+        async with self.sessions() as session:
+            return await listing.training_runs(session, self._dirs(), self.saved, limit, offset)
+
+    async def training_run(self, training_run_id: str, *, checkpoints: bool = False) -> Any:
+        name = listing.run_name(training_run_id)
+        async with self.sessions() as session:
+            row = await session.get(ModelRow, name)
+            if row is None or row.project != PROJECT:
+                raise TinkerError(404, f"training_run_id: no training run {training_run_id!r}")
+            if checkpoints:
+                found = await listing.checkpoints(session, self._dirs(), self.saved, name)
+                return {"checkpoints": found}
+            return await listing.training_run(session, self._dirs(), self.saved, row)
+
+    def _dirs(self) -> Any:
+        return self.backends.get("cpu").backend
+
+    # -- sampling ----------------------------------------------------------------------
+
+    def _add_sampler(self, sampler: Sampler) -> Sampler:
+        self.samplers[sampler.sampler_id] = sampler
+        if sampler.model_path is not None:
+            self.by_path[sampler.model_path] = sampler.sampler_id
+        if sampler.weights is not None:  # the newest keep their weights in memory
+            self._in_memory.append(sampler)
+            while len(self._in_memory) > WEIGHTS_IN_MEMORY:
+                self._in_memory.pop(0).weights = None
+        return sampler
+
+    def _new_sampler(self, base_model: str, path: str | None, **source: Any) -> Sampler:
+        return self._add_sampler(
+            Sampler(f"sampler-{secrets.token_hex(6)}", base_model, path, **source)
+        )
+
+    async def create_sampling_session(self, body: dict[str, Any]) -> str:
+        path, base = body.get("model_path"), body.get("base_model")
+        if path:
+            found = self.by_path.get(str(path))
+            if found is not None:
+                old = self.samplers[found]
+                source = {"policy": old.policy, "weights": old.weights, "directory": old.directory}
+                return self._new_sampler(
+                    old.base_model, old.model_path, run=old.run, **source
+                ).sampler_id
+            # Saved before this process started: the registry knows the step by its alias.
+            row, directory = await self._checkpoint(path, "model_path")
+            policy = await self._restored_policy(row)
+            return self._new_sampler(
+                row.base_model, str(path), run=None, policy=policy, directory=directory
+            ).sampler_id
+        if not base:
+            raise TinkerError(400, "base_model: required when model_path is not given")
+        await self.resolve_base(str(base))
+        return self._new_sampler(str(base), None, run=None).sampler_id
+
+    async def _restored_policy(self, row: ModelRow) -> Any:
+        """A policy for a run of an earlier process: its base model and LoRA config."""
+        live = next((run for run in self.runs.values() if run.name == row.name), None)
+        if live is not None:
+            return live.policy
+        async with self._base_lock:
+            if row.name not in self._base_policies:
+                self._base_policies[row.name] = await asyncio.to_thread(
+                    _trainer().load_policy, row.base_model, lora_of(row), self.settings.cpu_device
+                )
+            return self._base_policies[row.name]
+
+    def sampler(self, sampler_id: str) -> Sampler:
+        sampler = self.samplers.get(sampler_id)
+        if sampler is None:
+            raise TinkerError(404, f"sampling_session_id: no sampler {sampler_id!r}")
+        return sampler
+
+    async def _base_policy(self, base_model: str) -> Any:
+        async with self._base_lock:
+            if base_model not in self._base_policies:
+                base_dir = await self.resolve_base(base_model)
+                lora = spec.Lora(rank=1, seed=0)
+                self._base_policies[base_model] = await asyncio.to_thread(
+                    _trainer().load_policy, base_dir, lora, self.settings.cpu_device
+                )
+            return self._base_policies[base_model]
+
+    async def asample(self, body: dict[str, Any]) -> dict[str, Any]:
+        sampler = self.sampler(str(body.get("sampling_session_id", "")))
+        params = body.get("sampling_params") or {}
+        prompt = [
+            t
+            for chunk in (body.get("prompt") or {}).get("chunks", [])
+            for t in chunk.get("tokens", [])
+        ]
+        n = body.get("num_samples", 1)
+        if not isinstance(n, int) or not 1 <= n <= 128:
+            raise TinkerError(400, "num_samples: an integer from 1 to 128")
+        if not prompt:
+            raise TinkerError(400, "prompt.chunks: no tokens")
+        max_tokens = params.get("max_tokens") or 16
+        if not isinstance(max_tokens, int) or not 1 <= max_tokens <= MAX_CONTEXT:
+            raise TinkerError(
+                400, f"sampling_params.max_tokens: an integer from 1 to {MAX_CONTEXT}"
+            )
+        for key in ("temperature", "top_p"):
+            value = params.get(key, 1.0)
+            if not isinstance(value, int | float) or not 0 <= value <= (
+                1 if key == "top_p" else 100
+            ):
+                raise TinkerError(400, f"sampling_params.{key}: out of range")
+        if params.get("top_k", -1) not in (-1, 0, None):
+            raise TinkerError(400, "sampling_params.top_k: not supported here yet (-1: all)")
+        for key in UNSUPPORTED_SAMPLE_OPTIONS:
+            if body.get(key):
+                raise TinkerError(400, f"{key}: not supported here yet")
+        with_prompt = bool(body.get("prompt_logprobs"))
+        last_n = body.get("prompt_logprobs_last_n")
+        if last_n is not None and (
+            not with_prompt or not isinstance(last_n, int) or not 1 <= last_n < len(prompt)
+        ):
+            raise TinkerError(
+                400,
+                "prompt_logprobs_last_n: needs prompt_logprobs, from 1 to the prompt's length - 1",
+            )
+        stop = params.get("stop") or []
+        if isinstance(stop, str):
+            stop = [stop]
+        policy = sampler.policy or await self._base_policy(sampler.base_model)
+        stop_ids = self._stop_ids(policy, stop)
+        vocab = vocab_size(policy)
+        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise TinkerError(
+                400, f"prompt: token {bad[0]} is outside the vocabulary (0..{vocab - 1})"
+            )
+        request_id = f"{sampler.sampler_id}:sample:{body.get('seq_id')}"
+        lock = sampler.run.lock if sampler.run else asyncio.Lock()
+
+        def work() -> Result:
+            scores = None
+            weights = sampler.weights
+            if weights is None and sampler.directory is not None:
+                weights = _trainer().read_adapter(sampler.directory, policy.device)
+            with policy.lock:
+                if with_prompt:
+                    scores = _trainer().prompt_logprobs(policy, weights, prompt, last_n)
+                samples = _trainer().sample(
+                    policy,
+                    weights,
+                    prompt,
+                    n=n,
+                    max_tokens=int(max_tokens),
+                    temperature=float(params.get("temperature", 1.0)),
+                    top_p=float(params.get("top_p", 1.0)),
+                    stop_ids=stop_ids,
+                    seed=params.get("seed"),
+                )
+            sequences = [
+                wire.Sequence(
+                    s.token_ids, s.logprobs, "stop" if s.finish_reason == "stop" else "length"
+                )
+                for s in samples
+            ]
+            return Result(proto=wire.write_sample_response(sequences, scores))
+
+        async def go() -> Result:
+            async with lock:
+                return await asyncio.to_thread(work)
+
+        self.futures.submit(request_id, go())
+        return {
+            "request_id": request_id,
+            "sample_sequence_ids": [f"{request_id}:{i}" for i in range(n)],
+        }
+
+    @staticmethod
+    def _stop_ids(policy: Any, stop: list[Any]) -> set[int]:
+        ids: set[int] = set()
+        for item in stop:
+            if isinstance(item, int):
+                ids.add(item)
+                continue
+            encoded = policy.tokenizer(item, add_special_tokens=False)["input_ids"]
+            if len(encoded) != 1:
+                raise TinkerError(
+                    400, f"sampling_params.stop: {item!r} is not one token here; give token ids"
+                )
+            ids.add(encoded[0])
+        return ids
+
+
+def _trainer() -> ModuleType:
+    """The torch side, imported where a run is made or used: an API process that never
+    sees a Tinker request never imports torch."""
+    from app.tinker import trainer
+
+    return trainer
+
+
+def lora_of(row: ModelRow) -> spec.Lora:
+    """The LoRA config a run's registry model was made with."""
+    config = row.config or {}
+    targets = config.get("target_modules") or []
+    return spec.Lora(
+        rank=int(config.get("lora_rank", 8)),
+        seed=int(config.get("seed", 0)),
+        train_mlp="up_proj" in targets,
+        train_attn="q_proj" in targets,
+        train_unembed="lm_head" in targets,
+    )
+
+
+def vocab_size(policy: Any) -> int:
+    return int(policy.model.get_input_embeddings().weight.shape[0])
+
+
+# Sampling options the SDK has that are refused here (400) rather than ignored.
+UNSUPPORTED_SAMPLE_OPTIONS = (
+    "topk_prompt_logprobs",
+    "topk_sample_logprobs",
+    "target_prompt_logprobs",
+    "prompt_alt_tokens_k",
+)
+
+DEFAULT_ADAM = {
+    "learning_rate": 1e-4,
+    "beta1": 0.9,
+    "beta2": 0.95,
+    "eps": 1e-12,
+    "weight_decay": 0.0,
+    "grad_clip_norm": 0.0,
+}

@@ -1,0 +1,222 @@
+"""Tinker's training operations on the cpu backend's torch model (`cpu_policy.Policy`).
+
+`forward_backward` adds each datum's loss gradient to the adapter's `.grad` (summed, as
+Tinker does: no mean over datums); `optim_step` runs `torch.optim.AdamW` with the request's
+`AdamParams` (Tinker's defaults: lr 1e-4, betas 0.9/0.95, eps 1e-12, no weight decay, no
+clipping) and clears the gradients. Everything here is synchronous torch code, run in a
+thread under the policy's lock.
+
+Losses (per target token t, `lp` the model's logprob of the target, summed over tokens):
+- `cross_entropy`: -weights_t * lp_t
+- `importance_sampling`: -exp(lp_t - logprobs_t) * advantages_t
+- `ppo`: -min(r_t * A_t, clip(r_t, clip_low_threshold, clip_high_threshold) * A_t),
+  r_t = exp(lp_t - logprobs_t); thresholds from `loss_fn_config` (default 0.8 and 1.2).
+- `cispo`: -stop_gradient(clip(r_t, low, high)) * A_t * lp_t (same thresholds).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from app.backends.cpu_policy import Policy, Sample
+from app.tinker.spec import LORA_ALPHA, Lora
+from app.tinker.wire import Datum
+
+
+def load_policy(base_dir: str, lora: Lora, device: str) -> Policy:
+    return Policy(
+        base_dir,
+        rank=lora.rank,
+        alpha=LORA_ALPHA,
+        seed=lora.seed,
+        device=device,
+        target_modules=lora.targets,
+    )
+
+
+def _loss(
+    loss_fn: str, lp: torch.Tensor, datum: Datum, config: dict[str, float], device: torch.device
+) -> torch.Tensor:
+    def given(key: str) -> torch.Tensor:
+        return torch.from_numpy(np.array(datum.inputs[key].array, dtype=np.float32)).to(device)
+
+    if loss_fn == "cross_entropy":
+        return -given("weights") * lp
+    ratio = torch.exp(lp - given("logprobs"))
+    advantages = given("advantages")
+    if loss_fn == "importance_sampling":
+        return -ratio * advantages
+    clipped = torch.clamp(
+        ratio, config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2)
+    )
+    if loss_fn == "cispo":  # the clipped ratio weighs the logprob's gradient; none through it
+        return -clipped.detach() * advantages * lp
+    return -torch.min(ratio * advantages, clipped * advantages)
+
+
+def forward_backward(
+    policy: Policy,
+    data: Sequence[Datum],
+    loss_fn: str,
+    config: dict[str, float],
+    *,
+    backward: bool,
+) -> tuple[list[dict[str, np.ndarray]], dict[str, float]]:
+    """Each datum's target logprobs and elementwise loss; with `backward`, its gradient is
+    added to the adapter's. Call with `policy.lock` held."""
+    outputs: list[dict[str, np.ndarray]] = []
+    total = 0.0
+    model = policy.model
+    model.train(backward)
+    try:
+        for datum in data:
+            ids = torch.tensor([datum.tokens], device=policy.device)
+            targets = torch.from_numpy(
+                np.array(datum.inputs["target_tokens"].array, dtype=np.int64)
+            ).to(policy.device)
+            with torch.set_grad_enabled(backward):
+                logits = model(input_ids=ids).logits[0].float()
+                lp = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+                loss = _loss(loss_fn, lp, datum, config, policy.device)
+                if backward:
+                    loss.sum().backward()
+            total += float(loss.sum().detach())
+            outputs.append(
+                {
+                    "logprobs": lp.detach().cpu().numpy().astype(np.float32),
+                    "elementwise_loss": loss.detach().cpu().numpy().astype(np.float32),
+                }
+            )
+    finally:
+        model.eval()
+    return outputs, {"loss:sum": total}
+
+
+def optim_step(policy: Policy, adam: dict[str, Any]) -> dict[str, float]:
+    """One AdamW step on the accumulated gradients, then clear them."""
+    params = [p for p in policy.model.parameters() if p.requires_grad]
+    lr, betas = float(adam["learning_rate"]), (float(adam["beta1"]), float(adam["beta2"]))
+    if policy.optimizer is None:
+        policy.optimizer = torch.optim.AdamW(
+            params,
+            lr=lr,
+            betas=betas,
+            eps=float(adam["eps"]),
+            weight_decay=float(adam["weight_decay"]),
+        )
+    for group in policy.optimizer.param_groups:
+        group.update(
+            lr=lr, betas=betas, eps=float(adam["eps"]), weight_decay=float(adam["weight_decay"])
+        )
+    metrics: dict[str, float] = {"learning_rate": lr}
+    if float(adam["grad_clip_norm"]) > 0:
+        norm = torch.nn.utils.clip_grad_norm_(params, float(adam["grad_clip_norm"]))
+        metrics["grad_norm"] = float(norm)
+    policy.optimizer.step()
+    policy.optimizer.zero_grad(set_to_none=True)
+    return metrics
+
+
+def adapter_state(policy: Policy) -> dict[str, torch.Tensor]:
+    """A copy of the adapter's weights: what a sampler made now keeps sampling from."""
+    from peft import get_peft_model_state_dict
+
+    state = get_peft_model_state_dict(policy.model, save_embedding_layers=False)
+    return {k: v.detach().clone() for k, v in state.items()}
+
+
+@contextmanager
+def weights_of(policy: Policy, weights: dict[str, torch.Tensor] | None) -> Iterator[None]:
+    """The model with `weights` as its adapter (None: the base model, adapter off), the
+    adapter's own weights restored afterwards. Call with `policy.lock` held."""
+    from peft import set_peft_model_state_dict
+
+    if weights is None:
+        with policy.model.disable_adapter():
+            yield
+        return
+    live = adapter_state(policy)
+    if all(
+        k in live and live[k].device == v.device and torch.equal(live[k], v)
+        for k, v in weights.items()
+    ):
+        yield
+        return
+    set_peft_model_state_dict(policy.model, weights)
+    try:
+        yield
+    finally:
+        set_peft_model_state_dict(policy.model, live)
+
+
+def sample(
+    policy: Policy,
+    weights: dict[str, torch.Tensor] | None,
+    prompt: list[int],
+    *,
+    n: int,
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    stop_ids: set[int],
+    seed: int | None,
+) -> list[Sample]:
+    """Sample from `weights` (see `weights_of`). Call with `policy.lock` held."""
+    with weights_of(policy, weights):
+        return policy.sample(
+            prompt,
+            n=n,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_logprobs=0,
+            stop_ids=stop_ids,
+            seed=seed,
+        )
+
+
+@torch.no_grad()
+def prompt_logprobs(
+    policy: Policy, weights: dict[str, torch.Tensor] | None, prompt: list[int], last_n: int | None
+) -> list[float]:
+    """Each prompt token's logprob given the tokens before it; NaN (the SDK's None) for the
+    first, and for those before the last `last_n`. Call with `policy.lock` held."""
+    with weights_of(policy, weights):
+        ids = torch.tensor([prompt], device=policy.device)
+        logits = policy.model(input_ids=ids).logits[0, :-1].float()
+        picked = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:].unsqueeze(-1))
+    scores = [math.nan, *picked.squeeze(-1).cpu().tolist()]
+    if last_n is not None:
+        scores[: len(prompt) - last_n] = [math.nan] * (len(prompt) - last_n)
+    return scores
+
+
+def read_adapter(directory: Path, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """The adapter weights a checkpoint directory holds, as `adapter_state` gives them."""
+    from safetensors.torch import load_file
+
+    return load_file(str(directory / "adapter_model.safetensors"), device=str(device))
+
+
+def load_state(policy: Policy, directory: Path, *, with_optimizer: bool) -> None:
+    """The adapter saved in `directory` (and, `with_optimizer`, AdamW's moments), with no
+    gradient pending. Without the optimizer's state the next step starts a fresh AdamW."""
+    from peft import set_peft_model_state_dict
+
+    set_peft_model_state_dict(policy.model, read_adapter(directory, policy.device))
+    policy.model.zero_grad(set_to_none=True)
+    policy.optimizer = None
+    saved = directory / "optimizer.pt"
+    if with_optimizer and saved.exists():
+        params = [p for p in policy.model.parameters() if p.requires_grad]
+        policy.optimizer = torch.optim.AdamW(params)
+        policy.optimizer.load_state_dict(
+            torch.load(saved, weights_only=True, map_location=policy.device)
+        )

@@ -1,0 +1,189 @@
+"""The Tinker SDK (tinker 0.38.0) trains through Trainyard, unchanged, over HTTP.
+
+Programs written only against the SDK run from its own environment (`make
+.venv-tinker/.installed`) against `trainyard serve` (a subprocess, with the `demo` model and a
+`tml-` key): the README's RL program (the share of a rewarded token rises from below 0.5 to at
+least 0.8), a supervised loop (`cross_entropy` falls), and requests the server refuses (the
+SDK's own error classes). Without the environment the tests are skipped, except under CI,
+where they fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.test_readme import README, Server, fenced_blocks
+
+pytestmark = [pytest.mark.slow, pytest.mark.torch]
+
+ROOT = Path(__file__).resolve().parents[1]
+PYTHON = ROOT / ".venv-tinker" / "bin" / "python"
+DATA = Path(__file__).parent / "data" / "tinker"
+SECTION = "## Tinker SDK"
+KEY = "tml-trainyard-test-key"
+
+
+def readme_program() -> str:
+    text = README.read_text()
+    start = text.index(f"\n{SECTION}\n")
+    end = text.index("\n## ", start + 1)
+    blocks = [b for b in fenced_blocks(text[start:end]) if b.language == "python"]
+    assert len(blocks) == 1, "the Tinker section has one Python program"
+    return "\n".join(blocks[0].lines)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    if not PYTHON.exists():
+        if os.environ.get("CI"):
+            pytest.fail(f"{PYTHON} is missing: CI builds it (make .venv-tinker/.installed)")
+        pytest.skip("no Tinker SDK environment: make .venv-tinker/.installed")
+    tmp = tmp_path_factory.mktemp("tinker")
+    live = Server(tmp / "var", tmp / "server.log")
+    try:
+        live.start({"TRAINYARD_API_KEYS": KEY})
+        yield live
+    finally:
+        live.stop()
+
+
+def run_sdk(server: Server, code: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """`code` in the SDK's environment, told where Trainyard is only as the README says."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAINYARD_", "TINKER_"))}
+    env.pop("PYTHONPATH", None)  # the SDK's environment imports nothing of this checkout
+    env["TINKER_BASE_URL"] = f"http://127.0.0.1:{server.port}/tinker"
+    env["TINKER_API_KEY"] = KEY
+    env["HF_HUB_OFFLINE"] = "1"
+    return subprocess.run(
+        [str(PYTHON), "-c", code, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+
+
+def test_the_readme_program_makes_the_demo_model_prefer_the_rewarded_token(
+    server: Server,
+) -> None:
+    ran = run_sdk(server, readme_program())
+    assert ran.returncode == 0, ran.stdout + ran.stderr + server.tail()
+    lines = ran.stdout.strip().splitlines()
+    assert lines[0] == "['demo']", ran.stdout
+    match = re.fullmatch(r"share of token (\d+): ([\d.]+) -> ([\d.]+)", lines[-1])
+    assert match, ran.stdout
+    before, after = float(match.group(2)), float(match.group(3))
+    assert before < 0.5 <= 0.8 <= after, ran.stdout
+
+
+def test_a_supervised_loop_lowers_cross_entropy(server: Server) -> None:
+    ran = run_sdk(server, (DATA / "supervised.py").read_text())
+    assert ran.returncode == 0, ran.stdout + ran.stderr + server.tail()
+    result = json.loads(ran.stdout.strip().splitlines()[-1])
+    losses = result["losses"]
+    assert losses[-1] < losses[0] * 0.8, losses
+    assert result["after"] < losses[-1], result  # the last step counted
+    # The SDK's model id, `<session>:train:<n>`; the run's registry model `tinker-<session>-<n>`.
+    session, _, n = result["model_id"].split(":")
+    run = f"tinker-{session}-{n}"
+    assert result["lora_rank"] == 4
+    assert Path(result["tokenizer_id"], "config.json").exists()  # a local directory
+    # `forward`: one logprob and one loss per target token; masked positions lose nothing.
+    assert len(result["logprobs"]) == result["targets"] == len(result["elementwise_loss"])
+    assert result["elementwise_loss"][:3] == [0.0, 0.0, 0.0]
+    # The RestClient's views: the run by the SDK's model id, its one checkpoint, the run list.
+    assert result["run"] == [run, 4, result["path"]]
+    assert result["checkpoints"] == [["sampler_weights/final", "sampler", result["path"]]]
+    assert run in result["runs"] and result["runs_total"] >= 1
+    # The saved weights learnt the sentence: a greedy sample continues its prefix.
+    assert result["path"] == f"tinker://{run}/sampler_weights/final"
+    assert result["sampled"] == result["sentence"], result
+    assert result["sampled_logprobs"] == len(result["sampled"])
+    # The sampler scores the sentence as `forward` did with the same weights; the first token
+    # has no logprob.
+    scored = result["compute_logprobs"]
+    assert scored[0] is None and scored[1:] == pytest.approx(result["logprobs"], abs=1e-4)
+    # The run is a model of the registry, in project `tinker`, on the cpu backend; the saved
+    # weights are its checkpoint, aliased by their name, and the gateway serves them.
+    with httpx.Client(
+        base_url=f"http://127.0.0.1:{server.port}", headers=server.auth, timeout=60
+    ) as client:
+        model = client.get(f"/v1/models/{run}").json()
+        checkpoints = client.get(f"/v1/models/{run}/checkpoints").json()["data"]
+        answer = client.post(
+            "/openai/v1/chat/completions",
+            json={
+                "model": f"{run}@final",
+                "messages": [{"role": "user", "content": "what is the weather"}],
+                "max_tokens": 2,
+                "logprobs": True,
+            },
+        )
+    assert (model["project"], model["backend"]) == ("tinker", "cpu"), model
+    assert [(c["step"], c["aliases"]) for c in checkpoints] == [(1, ["latest", "final"])]
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["model"] == f"{run}@1"
+
+
+def test_refused_requests_raise_the_sdks_errors(server: Server) -> None:
+    with httpx.Client(base_url=f"http://127.0.0.1:{server.port}", headers=server.auth) as client:
+        made = client.post(
+            "/v1/models",
+            json={"name": "agent-on-gpu", "base_model": "Qwen/Qwen3-8B", "backend": "art-local"},
+        )
+        assert made.status_code in (200, 201), made.text
+        # The SDK's header is the only way in: no key, no Tinker.
+        bare = httpx.post(f"http://127.0.0.1:{server.port}/tinker/api/v1/create_session")
+        assert bare.status_code == 401
+    ran = run_sdk(server, (DATA / "refusals.py").read_text(), "agent-on-gpu")
+    assert ran.returncode == 0, ran.stdout + ran.stderr + server.tail()
+    outcomes = json.loads(ran.stdout.strip().splitlines()[-1])
+    expected = {
+        "unknown base": ("BadRequestError", "no-such-model"),
+        "art-local base": ("BadRequestError", "does not offer Tinker's operations"),
+        "token outside vocabulary": ("BadRequestError", "token 99999 is outside the vocabulary"),
+        "missing advantages": ("BadRequestError", "loss_fn_inputs.advantages is required"),
+        "unknown loss": ("BadRequestError", "loss_fn 'dpo' is not supported"),
+        "unknown sampler": ("NotFoundError", "model_path: no checkpoint at"),
+        "prompt outside vocabulary": ("BadRequestError", "outside the vocabulary"),
+        "top_k": ("BadRequestError", "sampling_params.top_k: not supported here yet"),
+    }
+    for name, (error, message) in expected.items():
+        assert outcomes[name].startswith(error) and message in outcomes[name], (name, outcomes)
+    assert outcomes["base sample"] == [True, True, True]
+
+
+def test_a_saved_state_loads_back_with_its_optimizer_even_after_a_restart(
+    server: Server,
+) -> None:
+    """save_state, load_state_with_optimizer, and, after `trainyard serve` restarted,
+    create_training_client_from_state_with_optimizer: the same weights and the same next
+    step (AdamW's moments came back too); a sampler saved before the restart samples the
+    same after it. Last in this module: it restarts the server."""
+    script = (DATA / "state.py").read_text()
+    ran = run_sdk(server, script, "save")
+    assert ran.returncode == 0, ran.stdout + ran.stderr + server.tail()
+    saved = json.loads(ran.stdout.strip().splitlines()[-1])
+    assert saved["path"].startswith("tinker://tinker-") and saved["path"].endswith("/weights/mid")
+    assert saved["moved"] != pytest.approx(saved["at_mid"], abs=1e-3)  # it trained on
+    assert saved["loaded"] == pytest.approx(saved["at_mid"], abs=1e-6)
+
+    server.start({"TRAINYARD_API_KEYS": KEY})  # the same data directory and database
+    ran = run_sdk(server, script, "resume", saved["path"], saved["sampler_path"])
+    assert ran.returncode == 0, ran.stdout + ran.stderr + server.tail()
+    resumed = json.loads(ran.stdout.strip().splitlines()[-1])
+    assert resumed["loaded"] == pytest.approx(saved["at_mid"], abs=1e-6)
+    assert resumed["next"] == pytest.approx(saved["next"], abs=1e-5)
+    assert resumed["model_id"].endswith(":train:0")
+    # A sampler's path saved before the restart samples the same weights after it.
+    assert saved["sampler_path"].endswith("/sampler_weights/frozen")
+    assert resumed["said"] == saved["said"] and len(saved["said"]) == 6
