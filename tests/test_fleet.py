@@ -5,9 +5,9 @@ checkpoint cache of its own and no shared disk, checkpoints only in an S3 object
 (moto's server, a process of its own), and a serving pool (`trainyard serve-pool`) for
 the base model behind the gateway.
 
-One default worker is killed (SIGKILL) mid-step and the other drained (SIGTERM) mid-step.
-Each is stopped (SIGSTOP) while the test looks at it and runs in 2 ms slices between
-looks, so the signal lands in the state that was seen however busy the machine. Leases
+One default worker is killed (SIGKILL) mid-step and the other drained (SIGTERM) mid-step:
+each is stopped (SIGSTOP) once it is seen mid-step and looked at again while stopped, so
+the signal lands in the state that was seen however busy the machine. Leases
 are 30 s, so no live worker's lapses; the dead worker's lease and heartbeat are played
 forward by the test (its own clock control), not waited for. Then: every job ran on a
 worker of its pool, exactly once (each step has one job, each job one step, the steps
@@ -46,7 +46,7 @@ pytestmark = [
         not POSTGRES_URL, reason="needs TRAINYARD_TEST_DATABASE_URL (a Postgres server)"
     ),
 ]
-KEYS = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"}
+S3_KEY = "test"  # moto takes any key
 PROMPT = [{"role": "user", "content": "say yes"}]
 JOBS = {"alpha": 3, "beta": 3, "gamma": 2}  # training jobs per model
 DEFAULT_MODELS = ("alpha", "beta")  # pool `default`; gamma is in pool `gpu`
@@ -59,7 +59,8 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def object_store() -> Iterator[str]:
-    """moto's S3 server in a process of its own, with a bucket; its endpoint."""
+    """moto's S3 server in a process of its own, with a bucket made as an operator would
+    (boto3); its endpoint."""
     import boto3
 
     port = free_port()
@@ -70,22 +71,22 @@ def object_store() -> Iterator[str]:
     )
     endpoint = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(600):
+        for _ in range(1200):  # a minute
             assert moto.poll() is None, "moto_server exited"
             try:
                 httpx.get(endpoint, timeout=1)
                 break
             except httpx.TransportError:
                 time.sleep(0.05)
-        s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", **_boto(KEYS))
-        s3.create_bucket(Bucket="fleet")
+        else:
+            raise AssertionError("moto_server never answered")
+        keys = {"aws_access_key_id": S3_KEY, "aws_secret_access_key": S3_KEY}
+        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", **keys).create_bucket(
+            Bucket="fleet"
+        )
         yield endpoint
     finally:
         stop(moto)
-
-
-def _boto(keys: dict[str, str]) -> dict[str, str]:
-    return {name.lower(): value for name, value in keys.items()}
 
 
 class Fleet:
@@ -96,16 +97,17 @@ class Fleet:
         self.root = root
         self.tiny = tiny
         self.processes: list[subprocess.Popen[bytes]] = []
-        self.pool_url = f"http://127.0.0.1:{free_port()}/v1"
-        self.api_url = f"http://127.0.0.1:{free_port()}"
+        self.pool_port, self.api_port = free_port(), free_port()
+        self.pool_url = f"http://127.0.0.1:{self.pool_port}/v1"
+        self.api_url = f"http://127.0.0.1:{self.api_port}"
         self.env = {
             "TRAINYARD_DATABASE_URL": database_url,
             "TRAINYARD_MIGRATE_ON_START": "false",  # the test database is at head
             "TRAINYARD_CHECKPOINT_URL": "s3://fleet/checkpoints",
             "TRAINYARD_CHECKPOINT_S3_ENDPOINT": endpoint,
             "TRAINYARD_CHECKPOINT_S3_REGION": "us-east-1",
-            "TRAINYARD_CHECKPOINT_S3_ACCESS_KEY_ID": KEYS["AWS_ACCESS_KEY_ID"],
-            "TRAINYARD_CHECKPOINT_S3_SECRET_ACCESS_KEY": KEYS["AWS_SECRET_ACCESS_KEY"],
+            "TRAINYARD_CHECKPOINT_S3_ACCESS_KEY_ID": S3_KEY,
+            "TRAINYARD_CHECKPOINT_S3_SECRET_ACCESS_KEY": S3_KEY,
             "TRAINYARD_MODEL_ROOTS": str(tiny.parent),
             "TRAINYARD_SERVING_POOLS": f'{{"{tiny}": ["{self.pool_url}"]}}',
             "TRAINYARD_CPU_DEVICE": "cpu",
@@ -147,40 +149,49 @@ class Fleet:
 async def stopped_when(
     process: subprocess.Popen[bytes], condition: Callable[[], Awaitable[bool]], *, what: str
 ) -> AsyncIterator[None]:
-    """Enter with `process` stopped (SIGSTOP) in a state where `condition` holds. It runs
-    in slices of 2 ms and is stopped while `condition` is read, so what the caller does
-    lands in that state; it continues (SIGCONT) on exit."""
+    """Enter with `process` stopped (SIGSTOP) in a state where `condition` holds: read
+    while it runs, then again once it is stopped, so what the caller does lands in that
+    state however busy the machine. It continues (SIGCONT) on exit."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 180
     while True:
-        process.send_signal(signal.SIGSTOP)
-        try:
-            if await condition():
-                yield
-                return
-        finally:
-            if process.poll() is None:
-                process.send_signal(signal.SIGCONT)
         assert process.poll() is None, f"{process.args} exited with {process.returncode}"
         assert loop.time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.002)
+        if await condition():
+            process.send_signal(signal.SIGSTOP)
+            try:
+                await asyncio.sleep(0.05)  # what it sent before it stopped is written
+                if await condition():
+                    yield
+                    return
+            finally:
+                if process.poll() is None:
+                    process.send_signal(signal.SIGCONT)
+        await asyncio.sleep(0.01)
 
 
-async def mid_step(engine: AsyncEngine, worker_id: str) -> str | None:
-    """The job `worker_id` is training a step of now (its lease, its trainer called, no
-    end yet), if any."""
-    async with engine.connect() as conn:
-        row = (
-            await conn.execute(
-                text(
-                    "SELECT j.id, (SELECT e.type FROM job_events e WHERE e.job_id = j.id "
-                    "ORDER BY e.seq DESC LIMIT 1) AS last FROM jobs j "
-                    "WHERE j.status = 'running' AND j.lease_owner = :worker"
-                ),
-                {"worker": worker_id},
-            )
-        ).first()
-    return row.id if row and row.last in {"training_started", "gradient_step"} else None
+class MidStep:
+    """Whether a worker is training a step now: a job under its lease whose trainer was
+    called (`training_started`, or progress) and has not ended; which job."""
+
+    def __init__(self, engine: AsyncEngine, worker_id: str) -> None:
+        self.engine, self.worker_id = engine, worker_id
+        self.job_id = ""
+
+    async def seen(self) -> bool:
+        async with self.engine.connect() as conn:
+            row = (
+                await conn.execute(
+                    text(
+                        "SELECT j.id, (SELECT e.type FROM job_events e WHERE e.job_id = j.id "
+                        "ORDER BY e.seq DESC LIMIT 1) AS last FROM jobs j "
+                        "WHERE j.status = 'running' AND j.lease_owner = :worker"
+                    ),
+                    {"worker": self.worker_id},
+                )
+            ).first()
+        self.job_id = row.id if row and row.last in {"training_started", "gradient_step"} else ""
+        return bool(self.job_id)
 
 
 async def play_forward(engine: AsyncEngine, worker_id: str) -> None:
@@ -207,11 +218,12 @@ async def test_a_fleet_of_processes_on_postgres(
     fleet = Fleet(tmp_path, database_url, object_store, tiny_model)
     engine = create_engine(database_url)
     try:
-        port = fleet.pool_url.split(":")[-1].removesuffix("/v1")
-        base = str(tiny_model)
-        pool = fleet.start("pool", "serve-pool", "--base-model", base, "--port", port)
-        api_port = fleet.api_url.rsplit(":", 1)[1]
-        api = fleet.start("api", "serve", TRAINYARD_WORKER_ENABLED="false", TRAINYARD_PORT=api_port)
+        pool = fleet.start(
+            "pool", "serve-pool", "--base-model", str(tiny_model), "--port", str(fleet.pool_port)
+        )
+        api = fleet.start(
+            "api", "serve", TRAINYARD_WORKER_ENABLED="false", TRAINYARD_PORT=str(fleet.api_port)
+        )
         first, second = fleet.worker("a", "default"), fleet.worker("b", "default")
         async with httpx.AsyncClient(base_url=fleet.api_url, timeout=120) as client:
             await wait_ready(fleet.api_url, [api])
@@ -240,52 +252,38 @@ async def _run(
         for name, count in JOBS.items():
             if i < count:
                 jobs[name].append(await _submit(client, name, groups))
+
+    # The gpu model waits, and says why, until a worker of its pool with its label starts.
     for job_id in jobs["gamma"]:
         assert await _waiting(client, job_id) == "no live worker in pool `gpu`"
-
-    workers = {"a": await _registered(client, first), "b": await _registered(client, second)}
+    gpu = fleet.worker("g", "gpu", "gpu=h200", "zone=a")
+    workers = {name: await _registered(client, p) for name, p in (("a", first), ("b", second))}
 
     # kill -9 one default worker mid-step; the test plays its lease time forward.
-    await until(lambda: _running(engine, workers["a"]["id"]), 180, "worker a to claim a job")
-    killed: list[str] = []
-
-    async def a_mid_step() -> bool:
-        job_id = await mid_step(engine, workers["a"]["id"])
-        killed.extend([job_id] if job_id else [])
-        return job_id is not None
-
-    async with stopped_when(first, a_mid_step, what="worker a mid-step"):
+    killed = MidStep(engine, workers["a"]["id"])
+    async with stopped_when(first, killed.seen, what="worker a mid-step"):
         first.send_signal(signal.SIGKILL)
         first.wait(10)
     await play_forward(engine, workers["a"]["id"])
 
     # Drain the other mid-step: SIGTERM lands while it trains; it finishes or hands back
     # that job, claims nothing more, and exits 0.
-    drained: list[str] = []
-
-    async def b_mid_step() -> bool:
-        job_id = await mid_step(engine, workers["b"]["id"])
-        drained.extend([job_id] if job_id else [])
-        return job_id is not None
-
-    async with stopped_when(second, b_mid_step, what="worker b mid-step"):
+    drained = MidStep(engine, workers["b"]["id"])
+    async with stopped_when(second, drained.seen, what="worker b mid-step"):
         second.send_signal(signal.SIGTERM)
     assert await asyncio.to_thread(second.wait, 120) == 0
     listed = {w["id"] for w in (await client.get("/v1/workers")).json()}
     assert not listed & {workers["a"]["id"], workers["b"]["id"]}
 
-    # No live worker in either pool now: the queued jobs say so, a new one too.
+    # No live default worker now: its queued jobs say so, a new one too; then one starts.
     jobs["alpha"].append(await _submit(client, "alpha", groups))
     assert await _waiting(client, jobs["alpha"][-1]) == "no live worker in pool `default`"
-    for name in JOBS:
+    for name in DEFAULT_MODELS:
         for job_id in jobs[name]:
             job = (await client.get(f"/v1/training-jobs/{job_id}")).json()
-            pool_name = "gpu" if name == "gamma" else "default"
             if job["status"] == "queued":
-                assert job["waiting_for"] == f"no live worker in pool `{pool_name}`", job
-
-    # Fitting workers start: everything runs.
-    gpu, third = fleet.worker("g", "gpu", "gpu=h200", "zone=a"), fleet.worker("c", "default")
+                assert job["waiting_for"] == "no live worker in pool `default`", job
+    third = fleet.worker("c", "default")
     workers |= {"g": await _registered(client, gpu), "c": await _registered(client, third)}
     done = {
         job_id: await wait_final(client, job_id, timeout=240)
@@ -298,11 +296,19 @@ async def _run(
 
     await _check_claims(engine, jobs, workers)
     await _check_steps_once(client, engine, jobs, done)
-    killed_job, drained_job = done[killed[-1]], done[drained[-1]]
+    killed_job, b = done[killed.job_id], workers["b"]["id"]
     # Killed before the step landed: trained again; after it landed: counted, not trained.
     recovered = killed_job["result"]["recovered"]
     assert (killed_job["attempts"], recovered) in {(2, False), (1, True)}
-    assert drained_job["attempts"] in {1, 2}  # finished by b, or handed back and run again
+    # The drained worker claimed nothing after: the job it ran when told was its last, and
+    # it finished it, or handed it back (`job_released`) to the next worker.
+    events = await _events(engine)
+    claims = [(job_id, data["worker"]) for job_id, type_, data in events if type_ == "job_claimed"]
+    assert [job_id for job_id, worker in claims if worker == b][-1] == drained.job_id
+    released = (drained.job_id, "job_released") in {(job_id, t) for job_id, t, _ in events}
+    assert [worker for job_id, worker in claims if job_id == drained.job_id] == (
+        [b, workers["c"]["id"]] if released else [b]
+    )
     await _check_served(client, fleet.pool_url, jobs)
 
 
@@ -362,22 +368,11 @@ async def _registered(client: httpx.AsyncClient, process: subprocess.Popen[bytes
     return await until(seen, 180, f"{process.args} to register")
 
 
-async def _running(engine: AsyncEngine, worker_id: str) -> bool:
-    async with engine.connect() as conn:
-        found = await conn.scalar(
-            text("SELECT count(*) FROM jobs WHERE status = 'running' AND lease_owner = :w"),
-            {"w": worker_id},
-        )
-    return bool(found)
-
-
 async def _events(engine: AsyncEngine) -> list[Any]:
     async with engine.connect() as conn:
         return list(
             (
-                await conn.execute(
-                    text("SELECT job_id, type, data FROM job_events ORDER BY job_id, seq")
-                )
+                await conn.execute(text("SELECT job_id, type, data FROM job_events ORDER BY id"))
             ).all()
         )
 
@@ -445,4 +440,3 @@ async def _check_served(client: httpx.AsyncClient, pool_url: str, jobs: dict) ->
         assert roots[name] == (
             f"s3://fleet/checkpoints/cpu/fleet/models/{model}/checkpoints/{int(step):04d}"
         )
-
