@@ -348,3 +348,29 @@ async def test_a_rollout_followed_into_its_training_job_and_a_run_with_its_curve
     assert json.loads(runs["get"].out)["status"] == "succeeded"
     assert runs["pause"].code == EXIT_REFUSED and "409" in runs["pause"].err
     assert [d["name"] for d in json.loads(runs["datasets"].out)["data"]] == ["toy"]
+
+
+def test_every_command_and_action_prints_its_help() -> None:
+    """`--help` of the command, of each command and of each action exits 0 with a usage."""
+    import argparse
+    import contextlib
+    import io
+
+    from trainyard_client.cli import build_parser
+
+    def paths(parser: argparse.ArgumentParser, path: list[str]) -> list[list[str]]:
+        found = [path]
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    found += paths(sub, [*path, name])
+        return found
+
+    every = paths(build_parser(), [])
+    assert ["models", "create"] in every and ["jobs", "events"] in every
+    for path in every:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exited:
+            build_parser().parse_args([*path, "--help"])
+        assert exited.value.code == 0, path
+        assert out.getvalue().startswith("usage: trainyard-client"), path

@@ -91,7 +91,9 @@ def _common(parser: argparse.ArgumentParser, *, top: bool) -> None:
         "--retries",
         type=int,
         default=default(RetryPolicy.max_retries),
-        help="resend a failed request up to this many times (default %(default)s)",
+        # Not `%(default)s`: on a command's copy the default is SUPPRESS, which argparse
+        # leaves out of what it formats help with (every command's --help raised KeyError).
+        help=f"resend a failed request up to this many times (default {RetryPolicy.max_retries})",
     )
 
 
