@@ -11,7 +11,10 @@ models: tests, the quick start, and laptops without a GPU.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+import contextlib
+import threading
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from contextvars import ContextVar
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -210,7 +213,7 @@ class CpuBackend(CheckpointDirs):
         hp = CpuHyperparameters.model_validate(kwargs)
         _, policy = self._policies[model.name]
         groups = list(trajectory_groups)
-        return await asyncio.to_thread(self._train, model, policy, groups, hp)
+        return await _in_thread(self._train, model, policy, groups, hp)
 
     def _train(
         self,
@@ -219,7 +222,7 @@ class CpuBackend(CheckpointDirs):
         groups: list[art.TrajectoryGroup],
         hp: CpuHyperparameters,
     ) -> art.TrainResult:
-        with policy.lock:
+        with policy.lock, self._stepping(model, policy):
             self.sync(model, policy)
             batches = policy.sequences(
                 groups,
@@ -236,6 +239,7 @@ class CpuBackend(CheckpointDirs):
             }
             samples = []
             for batch in batches:
+                go_on()
                 metrics = policy.step(
                     batch,
                     learning_rate=hp.learning_rate,
@@ -245,6 +249,7 @@ class CpuBackend(CheckpointDirs):
                 )
                 samples.append(metrics)
                 report_gradient_step({**metrics, TOTAL_KEY: total})
+            go_on()
             step = self.step_on_disk(model) + 1
             checkpoint = self.location(model, step)
             # Like ART: a step with nothing to learn still advances, as a copy of the last.
@@ -292,7 +297,7 @@ class CpuBackend(CheckpointDirs):
         emit: Callable[[dict[str, float]], None],
     ) -> None:
         size = hp.batch_size or SFT_BATCH_SIZE
-        with policy.lock:
+        with policy.lock, self._stepping(model, policy):
             self.sync(model, policy)
             batches = [
                 [
@@ -304,6 +309,7 @@ class CpuBackend(CheckpointDirs):
             ]
             batches = [b for b in batches if b]
             for batch in batches:
+                go_on()
                 metrics = policy.sft_step(
                     batch, learning_rate=hp.learning_rate, max_grad_norm=MAX_GRAD_NORM
                 )
@@ -323,7 +329,7 @@ class CpuBackend(CheckpointDirs):
         pairs a gradient step, against the reference `reference` names."""
         hp = CpuDpoHyperparameters.model_validate(kwargs)
         _, policy = self._policies[model.name]
-        return await asyncio.to_thread(self._dpo, model, policy, pairs, hp)
+        return await _in_thread(self._dpo, model, policy, pairs, hp)
 
     def _dpo(
         self,
@@ -332,7 +338,7 @@ class CpuBackend(CheckpointDirs):
         pairs: list[dict[str, Any]],
         hp: CpuDpoHyperparameters,
     ) -> art.TrainResult:
-        with policy.lock:
+        with policy.lock, self._stepping(model, policy):
             self.sync(model, policy)
             turns = [policy.pair_turns(pair) for pair in pairs]
             references = policy.pair_logprobs(turns, adapter=hp.reference == "start")
@@ -340,6 +346,7 @@ class CpuBackend(CheckpointDirs):
             total = (len(turns) + size - 1) // size
             samples = []
             for i in range(0, len(turns), size):
+                go_on()
                 metrics = policy.dpo_step(
                     turns[i : i + size],
                     references[i : i + size],
@@ -358,8 +365,22 @@ class CpuBackend(CheckpointDirs):
             step=step, metrics={**summary, **averaged}, checkpoint_path=checkpoint
         )
 
+    @contextlib.contextmanager
+    def _stepping(self, model: art.TrainableModel, policy: Any) -> Iterator[None]:
+        """Around one job's gradient steps (with `policy.lock` held): if they stop part-way
+        (an error, or the job given up), the adapter in memory goes back to the newest step
+        on disk, so neither the job's retry nor a sample starts from half a step."""
+        try:
+            yield
+        except BaseException:
+            policy.loaded_step = -1  # what is in memory is no step: load the one on disk
+            with contextlib.suppress(Exception):
+                self.sync(model, policy)
+            raise
+
     def _save_next(self, model: art.TrainableModel, policy: Any) -> tuple[int, str]:
         """Save the adapter in memory as the model's next step (call with the lock held)."""
+        go_on()
         step = self.step_on_disk(model) + 1
         checkpoint = self.location(model, step)
         with self.writing(model, step) as partial:
@@ -369,7 +390,7 @@ class CpuBackend(CheckpointDirs):
 
 async def _streamed(work: Callable[..., None], *args: Any) -> AsyncIterator[dict[str, float]]:
     """Run `work(*args, emit)` in a thread and yield what it emits, as it emits it; then
-    raise what it raised, if anything."""
+    raise what it raised, if anything. Given up part-way, as `_in_thread`."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[dict[str, float] | None] = asyncio.Queue()
 
@@ -379,10 +400,61 @@ async def _streamed(work: Callable[..., None], *args: Any) -> AsyncIterator[dict
     def finished(future: asyncio.Future[None]) -> None:
         if not future.cancelled():
             future.exception()  # raised below; retrieved here if nobody waits any more
-        queue.put_nowait(None)
+        loop.call_soon_threadsafe(queue.put_nowait, None)
 
-    running = asyncio.ensure_future(asyncio.to_thread(work, *args, emit))
+    running, abandoned = _start(work, *args, emit)
     running.add_done_callback(finished)
-    while (metrics := await queue.get()) is not None:
-        yield metrics
-    await running
+    try:
+        while (metrics := await queue.get()) is not None:
+            yield metrics
+        await running
+    except BaseException:  # cancelled, or the consumer stopped reading (GeneratorExit)
+        await _give_up(running, abandoned)
+        raise
+
+
+class TrainingAbandoned(Exception):
+    """The job a training thread works for was given up (its task cancelled: a cancel, a
+    lost lease, a worker that stops past its grace); the thread stops before its next
+    gradient step or save."""
+
+
+_ABANDONED: ContextVar[threading.Event | None] = ContextVar("cpu_abandoned", default=None)
+
+
+def go_on() -> None:
+    """In a training thread, before each gradient step and before the save: raise
+    `TrainingAbandoned` if the job was given up."""
+    abandoned = _ABANDONED.get()
+    if abandoned is not None and abandoned.is_set():
+        raise TrainingAbandoned("the job was given up; stopped before its next write")
+
+
+def _start(work: Callable[..., Any], *args: Any) -> tuple[asyncio.Future[Any], threading.Event]:
+    abandoned = threading.Event()
+    token = _ABANDONED.set(abandoned)
+    try:  # the task copies this context, and `to_thread` copies the task's into the thread
+        running = asyncio.ensure_future(asyncio.to_thread(work, *args))
+    finally:
+        _ABANDONED.reset(token)
+    return running, abandoned
+
+
+async def _give_up(running: asyncio.Future[Any], abandoned: threading.Event) -> None:
+    """Tell the thread to stop and wait for it to end, so nothing it writes lands after its
+    job was handed back (another worker may train that job next)."""
+    abandoned.set()
+    with contextlib.suppress(BaseException):
+        await asyncio.shield(running)
+
+
+async def _in_thread(work: Callable[..., Any], *args: Any) -> Any:
+    """`asyncio.to_thread(work, *args)`, except that if the caller is cancelled, the thread
+    is told to stop (`go_on` raises in it) and waited for before the cancellation goes on:
+    a training thread must not write a step after its job's lease is released."""
+    running, abandoned = _start(work, *args)
+    try:
+        return await asyncio.shield(running)
+    except asyncio.CancelledError:
+        await _give_up(running, abandoned)
+        raise
