@@ -12,13 +12,18 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 
-from app.backends.tiny_model import make_tiny_model
-from app.tinker import spec, trainer
-from app.tinker.futures import Futures, Result
-from app.tinker.service import DEFAULT_ADAM
-from app.tinker.wire import Datum, Tensor
+from tests.conftest import NEEDS_TORCH
+
+# The module is Tinker's math on torch tensors from top to bottom: where torch is absent
+# (the Python 3.12 environment) it is skipped whole, with the reason.
+torch = pytest.importorskip("torch", reason=NEEDS_TORCH)
+
+from app.backends.tiny_model import make_tiny_model  # noqa: E402
+from app.tinker import spec, trainer  # noqa: E402
+from app.tinker.futures import Futures, Result  # noqa: E402
+from app.tinker.service import DEFAULT_ADAM  # noqa: E402
+from app.tinker.wire import Datum, Tensor  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.any_database]
 
