@@ -329,6 +329,11 @@ async def test_export_loads_with_peft_like_the_served_step(serve, tiny_model, tm
         )
         assert as_zip.status_code == 200
         assert 'filename="toy-step0001.zip"' in as_zip.headers["content-disposition"]
+        as_peft = await live.client.get(
+            "/v1/models/toy/checkpoints/1/export", params={"format": "peft"}
+        )
+        assert as_peft.status_code == 200
+        assert 'filename="toy-step0001.tar.gz"' in as_peft.headers["content-disposition"]
         _problem(await live.client.get("/v1/models/toy/checkpoints/7/export"), 404)
         fmt = _problem(
             await live.client.get("/v1/models/toy/checkpoints/1/export", params={"format": "rar"}),
@@ -346,6 +351,8 @@ async def test_export_loads_with_peft_like_the_served_step(serve, tiny_model, tm
         tar.extractall(out, filter="data")
     with zipfile.ZipFile(io.BytesIO(as_zip.content)) as archive:
         assert sorted(archive.namelist()) == names
+    with tarfile.open(fileobj=io.BytesIO(as_peft.content), mode="r:gz") as tar:
+        assert sorted(tar.getnames()) == names
 
     checkpoint = _checkpoints_dir(tmp_path / "data") / "0001"
     assert (checkpoint / "optimizer.pt").exists()

@@ -150,8 +150,9 @@ async def delete_checkpoint(name: Name, step: Step, request: Request, session: S
     response_class=StreamingResponse,
     responses={
         200: {
-            "description": "`tar.gz` or `zip`: an archive (`Content-Disposition` names the "
-            "file: `{name}-step{NNNN}.tar.gz` or `.zip`) of one folder, `{name}-step{NNNN}/`, "
+            "description": "`tar.gz` (also named `peft`) or `zip`: an archive "
+            "(`Content-Disposition` names the file: `{name}-step{NNNN}.tar.gz` or `.zip`) "
+            "of one folder, `{name}-step{NNNN}/`, "
             "holding `adapter_config.json` and `adapter_model.safetensors`: "
             "`PeftModel.from_pretrained(base_model, folder)` loads it. `merged`: a tar "
             "(`{name}-step{NNNN}-merged.tar`, with a `Content-Length`) of one folder, "
@@ -181,8 +182,8 @@ async def export_checkpoint(
     format: Annotated[
         ExportFormat,
         Query(
-            description="`tar.gz` or `zip`: the adapter; `merged`: the base model with the "
-            "adapter merged in, as a tar"
+            description="`tar.gz` (or its other name `peft`) or `zip`: the adapter; "
+            "`merged`: the base model with the adapter merged in, as a tar"
         ),
     ] = "tar.gz",
 ) -> StreamingResponse:

@@ -634,9 +634,10 @@ async def export(
     model_roots: Sequence[Path],
 ) -> Export:
     """The step's adapter (adapter_config.json + adapter_model.safetensors, no optimizer
-    state) in a `{name}-step{NNNN}/` folder of a tar.gz or zip archive; `merged`: the base
-    model with the adapter merged in, a Hugging Face directory `{name}-step{NNNN}-merged/`
-    in a tar (`app.checkpoints.merge`; the base must be under `model_roots`)."""
+    state) in a `{name}-step{NNNN}/` folder of a tar.gz (also named `peft`) or zip archive;
+    `merged`: the base model with the adapter merged in, a Hugging Face directory
+    `{name}-step{NNNN}-merged/` in a tar (`app.checkpoints.merge`; the base must be under
+    `model_roots`)."""
     place, on_disk = await _locate(session, backends, name)
     if step not in on_disk:
         raise NotFoundError(f"no checkpoint of step {step}", errors=[_missing_step(name, step)])
@@ -655,8 +656,9 @@ async def export(
         for _, handle in files:
             handle.close()
         return await _merged(place, local, folder, model_roots)
-    archive = await asyncio.to_thread(disk.archive, folder, files, fmt)
-    return Export(f"{folder}.{fmt}", disk.chunks(archive))
+    suffix = "tar.gz" if fmt == "peft" else fmt
+    archive = await asyncio.to_thread(disk.archive, folder, files, suffix)
+    return Export(f"{folder}.{suffix}", disk.chunks(archive))
 
 
 async def _merged(place: Place, local: Path, folder: str, roots: Sequence[Path]) -> Export:

@@ -14,7 +14,8 @@ ALIAS_PATTERN = r"^[a-z][a-z0-9_-]{0,63}$"
 """User-defined alias names; `latest` and `best` are the built-in ones."""
 BUILTIN_ALIASES = ("best", "latest")
 
-ExportFormat = Literal["tar.gz", "zip", "merged"]
+ExportFormat = Literal["tar.gz", "zip", "peft", "merged"]
+"""`peft` names the adapter folder PEFT loads, in a tar.gz: the same bytes as `tar.gz`."""
 """`tar.gz` and `zip`: the LoRA adapter for PEFT; `merged`: the base model with the adapter
 merged in, a Hugging Face directory in a tar."""
 
