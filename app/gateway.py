@@ -32,6 +32,7 @@ from app.backends.serving_pools import PoolRefused, PoolRouter
 from app.checkpoints import service as checkpoints
 from app.models import ModelRow
 from app.schemas.checkpoints import ALIAS_PATTERN
+from app.tinker.listing import gateway_model
 
 PREFIX = "/openai/v1"
 # Backends whose steps a serving pool loads: their checkpoints lie in Trainyard's storage
@@ -81,7 +82,19 @@ class Route:
 
 def parse_model(requested: str) -> tuple[str, str]:
     """`name`, `name@latest`, `name@N`, `name@alias` -> (name, selector). `name@` (an
-    empty selector) is refused, not read as the latest."""
+    empty selector) is refused, not read as the latest. A Tinker path
+    (`tinker://<run>/sampler_weights/<name>`) names its run's step the same way."""
+    tinker = gateway_model(requested)
+    if tinker is not None:
+        name, selector = tinker
+        if not selector:
+            raise GatewayError(
+                404,
+                f"The model `{requested}` does not exist: a Tinker path is "
+                "`tinker://<run>/sampler_weights/<name>` or `tinker://<run>/weights/<name>`.",
+                "model_not_found",
+            )
+        return name, selector
     name, at, selector = requested.partition("@")
     if at and not selector:
         raise GatewayError(

@@ -128,7 +128,35 @@ def test_a_supervised_loop_lowers_cross_entropy(server: Server) -> None:
                 "logprobs": True,
             },
         )
+        # The gateway takes the SDK's path as `model` too, and the step as the listing
+        # names an unnamed one; a path of no checkpoint is OpenAI's 404.
+        by_path = {
+            path: client.post(
+                "/openai/v1/chat/completions",
+                json={
+                    "model": path,
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 1,
+                },
+            )
+            for path in (
+                result["path"],
+                f"tinker://{run}/sampler_weights/000001",
+                f"tinker://{run}/sampler_weights/nothing",
+                f"tinker://{run}/final",
+            )
+        }
     assert (model["project"], model["backend"]) == ("tinker", "cpu"), model
+    answers = [
+        (r.status_code, r.json().get("model") or r.json()["error"]["code"])
+        for r in by_path.values()
+    ]
+    assert answers == [
+        (200, f"{run}@1"),
+        (200, f"{run}@1"),
+        (404, "model_not_found"),
+        (404, "model_not_found"),
+    ], answers
     assert [(c["step"], c["aliases"]) for c in checkpoints] == [(1, ["latest", "final"])]
     assert answer.status_code == 200, answer.text
     assert answer.json()["model"] == f"{run}@1"
@@ -155,10 +183,14 @@ def test_refused_requests_raise_the_sdks_errors(server: Server) -> None:
         "unknown loss": ("BadRequestError", "loss_fn 'dpo' is not supported"),
         "unknown sampler": ("NotFoundError", "model_path: no checkpoint at"),
         "prompt outside vocabulary": ("BadRequestError", "outside the vocabulary"),
-        "top_k": ("BadRequestError", "sampling_params.top_k: not supported here yet"),
+        "negative top_k": ("BadRequestError", "sampling_params.top_k: -1 (every token)"),
     }
     for name, (error, message) in expected.items():
         assert outcomes[name].startswith(error) and message in outcomes[name], (name, outcomes)
+    # top_k 1 keeps only the likeliest token: at temperature 1 it samples the greedy answer,
+    # which the same temperature without top_k does not.
+    top_k = outcomes["top_k"]
+    assert top_k["top_one"] == top_k["greedy"] and top_k["free"] != top_k["greedy"], top_k
     assert outcomes["base sample"] == [True, True, True]
 
 

@@ -173,10 +173,12 @@ class Policy:
         stop_ids: set[int],
         seed: int | None,
         abandoned: Callable[[], bool] = lambda: False,
+        top_k: int = 0,
     ) -> list[Sample]:
         """Sample `n` completions; logprobs are the model's own (before temperature), as
-        vLLM reports them by default. `abandoned` is asked before every token: once it says
-        yes, sampling stops and raises `Abandoned` (its caller went away)."""
+        vLLM reports them by default. `top_k` > 0 samples among the k likeliest tokens.
+        `abandoned` is asked before every token: once it says yes, sampling stops and raises
+        `Abandoned` (its caller went away)."""
         generator = (
             torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
         )
@@ -191,7 +193,7 @@ class Policy:
             past = out.past_key_values
             logits = out.logits[:, -1, :].float()
             logprobs = torch.log_softmax(logits, dim=-1)
-            chosen = _choose(logits, temperature, top_p, generator)
+            chosen = _choose(logits, temperature, top_p, generator, top_k)
             top = torch.topk(logprobs, k=top_logprobs) if top_logprobs else None
             for row in list(active):
                 token = int(chosen[row])
@@ -470,10 +472,17 @@ def resolve_device(device: str) -> str:
 
 
 def _choose(
-    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None
+    logits: torch.Tensor,
+    temperature: float,
+    top_p: float,
+    generator: torch.Generator | None,
+    top_k: int = 0,
 ) -> torch.Tensor:
     if temperature <= 0:
         return logits.argmax(dim=-1)
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits / temperature, dim=-1)
     if top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)

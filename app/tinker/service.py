@@ -24,6 +24,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from sqlalchemy import update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app.backends.cpu import base_model_refusal
@@ -296,12 +297,23 @@ class TinkerService:
         async def go() -> Result:
             async with run.lock:
                 weights, step = await asyncio.to_thread(self._save, run)
-                if alias and re.fullmatch(ALIAS_PATTERN, alias) and alias not in BUILTIN_ALIASES:
-                    async with self.sessions() as session:
+                async with self.sessions() as session:
+                    # The model's current step is the newest save: `<run>`, `<run>@latest`
+                    # and `<run>@<step>` name it at the gateway.
+                    await session.execute(
+                        update(ModelRow)
+                        .where(ModelRow.name == run.name, ModelRow.current_step < step)
+                        .values(current_step=step, step_known=True)
+                    )
+                    if (
+                        alias
+                        and re.fullmatch(ALIAS_PATTERN, alias)
+                        and alias not in BUILTIN_ALIASES
+                    ):
                         await set_alias(
                             session, self.backends, name=run.name, alias=alias, step=step
                         )
-                        await session.commit()
+                    await session.commit()
             path = f"{SCHEME}{run.name}/{kind}/{name or f'{step:06d}'}"
             self.saved[path] = (run.name, step)
             if kind != SAMPLER:
@@ -507,8 +519,10 @@ class TinkerService:
                 1 if key == "top_p" else 100
             ):
                 raise TinkerError(400, f"sampling_params.{key}: out of range")
-        if params.get("top_k", -1) not in (-1, 0, None):
-            raise TinkerError(400, "sampling_params.top_k: not supported here yet (-1: all)")
+        top_k = params.get("top_k", -1)
+        top_k = -1 if top_k is None else top_k
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < -1:
+            raise TinkerError(400, "sampling_params.top_k: -1 (every token) or a count from 1")
         for key in UNSUPPORTED_SAMPLE_OPTIONS:
             if body.get(key):
                 raise TinkerError(400, f"{key}: not supported here yet")
@@ -553,6 +567,7 @@ class TinkerService:
                     top_p=float(params.get("top_p", 1.0)),
                     stop_ids=stop_ids,
                     seed=params.get("seed"),
+                    top_k=max(top_k, 0),
                 )
             sequences = [
                 wire.Sequence(

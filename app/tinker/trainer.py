@@ -167,8 +167,10 @@ def sample(
     top_p: float,
     stop_ids: set[int],
     seed: int | None,
+    top_k: int = 0,
 ) -> list[Sample]:
-    """Sample from `weights` (see `weights_of`). Call with `policy.lock` held."""
+    """Sample from `weights` (see `weights_of`); `top_k` 0: every token. Call with
+    `policy.lock` held."""
     with weights_of(policy, weights):
         return policy.sample(
             prompt,
@@ -179,6 +181,7 @@ def sample(
             top_logprobs=0,
             stop_ids=stop_ids,
             seed=seed,
+            top_k=top_k,
         )
 
 

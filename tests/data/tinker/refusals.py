@@ -77,13 +77,32 @@ attempt(
     ).result(),
 )
 attempt(
-    "top_k",
+    "negative top_k",
     lambda: base.sample(
         types.ModelInput.from_ints([1, 2]),
         num_samples=1,
-        sampling_params=types.SamplingParams(max_tokens=1, top_k=5),
+        sampling_params=types.SamplingParams(max_tokens=1, top_k=-2),
     ).result(),
 )
+# top_k 1 at temperature 1 is the greedy choice, token after token.
+greedy, top_one = (
+    base.sample(
+        types.ModelInput.from_ints([1, 2]),
+        num_samples=6,
+        sampling_params=types.SamplingParams(max_tokens=4, seed=5, **params),
+    ).result()
+    for params in ({"temperature": 0.0}, {"temperature": 1.0, "top_k": 1})
+)
+free = base.sample(
+    types.ModelInput.from_ints([1, 2]),
+    num_samples=6,
+    sampling_params=types.SamplingParams(max_tokens=4, seed=5, temperature=1.0),
+).result()
+outcomes["top_k"] = {
+    "greedy": [s.tokens for s in greedy.sequences],
+    "top_one": [s.tokens for s in top_one.sequences],
+    "free": [s.tokens for s in free.sequences],
+}
 sample = base.sample(
     types.ModelInput.from_ints([1, 2]),
     num_samples=3,
