@@ -32,7 +32,6 @@ from app.backends.serving_pools import PoolRefused, PoolRouter
 from app.checkpoints import service as checkpoints
 from app.models import ModelRow
 from app.schemas.checkpoints import ALIAS_PATTERN
-from app.tinker.listing import gateway_model
 
 PREFIX = "/openai/v1"
 # Backends whose steps a serving pool loads: their checkpoints lie in Trainyard's storage
@@ -78,6 +77,27 @@ class Route:
     lora_path: str | None = None  # where the pool loads the step's adapter from
     spec: ModelSpec | None = None
     backend: str | None = None
+
+
+# A Tinker path (`app.tinker`), which the gateway also takes as `model`.
+TINKER_SCHEME = "tinker://"
+
+
+def gateway_model(path: str) -> tuple[str, str] | None:
+    """The gateway's (model, selector) for a Tinker path given as `model`:
+    `tinker://<run>/sampler_weights/<name>` is `<run>@<name>`, `tinker://<run>/weights/<name>`
+    `<run>@state-<name>`, and an unnamed step as the listing shows it (`<step:06d>`)
+    `<run>@<step>`. None: not a tinker:// path; a malformed one gives `(path, "")`, which
+    names no model."""
+    if not path.startswith(TINKER_SCHEME):
+        return None
+    parts = path.removeprefix(TINKER_SCHEME).split("/")
+    if len(parts) != 3 or parts[1] not in ("sampler_weights", "weights") or not parts[2]:
+        return path, ""
+    run, kind, label = parts
+    if re.fullmatch(r"[0-9]{6}", label):
+        return run, str(int(label))
+    return run, label if kind == "sampler_weights" else f"state-{label}"
 
 
 def parse_model(requested: str) -> tuple[str, str]:

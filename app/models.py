@@ -355,3 +355,39 @@ class WebhookAttemptRow(Base):
     duration_ms: Mapped[int] = mapped_column(Integer)
     status_code: Mapped[int | None] = mapped_column(Integer)
     error: Mapped[str | None] = mapped_column(Text)
+
+
+class TinkerOperationRow(Base):
+    """One operation of a Tinker training run, written when it is accepted and again when it
+    is done: the run's journal. A restarted process makes the run again from its registry
+    model by doing its operations over, in `seq` order, and answers a retrieve of a future
+    from its `result` (`app.tinker.journal`)."""
+
+    __tablename__ = "tinker_operations"
+    __table_args__ = (UniqueConstraint("model_name", "seq"),)
+
+    request_id: Mapped[str] = mapped_column(String(200), primary_key=True)
+    model_name: Mapped[str] = mapped_column(String(128))  # the run's registry model
+    model_id: Mapped[str] = mapped_column(String(128))  # the SDK's `<session>:train:<seq>`
+    seq: Mapped[int] = mapped_column(Integer)  # the run's order of acceptance, from 1
+    kind: Mapped[str] = mapped_column(String(32))
+    body: Mapped[bytes] = mapped_column(LargeBinary, deferred=True)  # as the SDK sent it
+    result_type: Mapped[str | None] = mapped_column(String(8))  # proto | json | error
+    result: Mapped[bytes | None] = mapped_column(LargeBinary, deferred=True)
+    category: Mapped[str | None] = mapped_column(String(16))  # an error's: user | server
+    step: Mapped[int | None] = mapped_column(Integer)  # a save's checkpoint step
+    path: Mapped[str | None] = mapped_column(String(300))  # a save's tinker:// path
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    done_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+class TinkerSamplerRow(Base):
+    """A Tinker sampling session: what it samples from (a `tinker://` path, or a base model
+    with no adapter), so that a restarted process samples from it again by its id."""
+
+    __tablename__ = "tinker_samplers"
+
+    sampler_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    base_model: Mapped[str] = mapped_column(Text)
+    model_path: Mapped[str | None] = mapped_column(String(300))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)

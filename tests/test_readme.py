@@ -369,9 +369,12 @@ class Server:
         self.port = 0
         self.auth: dict[str, str] = {}
 
-    def start(self, variables: dict[str, str], *, demo_served: bool = False) -> None:
+    def start(
+        self, variables: dict[str, str], *, demo_served: bool = False, port: int | None = None
+    ) -> None:
+        """Start (again: `stop` first); on `port` (the last one's, say) or a free one."""
         self.stop()
-        self.port = free_port()
+        self.port = port or free_port()
         env = {k: v for k, v in os.environ.items() if not k.upper().startswith("TRAINYARD_")}
         env.update(
             TRAINYARD_DATA_DIR=str(self.data_dir),

@@ -55,16 +55,21 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         live.stop()
 
 
-def run_sdk(server: Server, code: str, *args: str) -> subprocess.CompletedProcess[str]:
-    """`code` in the SDK's environment, told where Trainyard is only as the README says."""
+def sdk_env(server: Server) -> dict[str, str]:
+    """The SDK's environment, told where Trainyard is only as the README says."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAINYARD_", "TINKER_"))}
     env.pop("PYTHONPATH", None)  # the SDK's environment imports nothing of this checkout
     env["TINKER_BASE_URL"] = f"http://127.0.0.1:{server.port}/tinker"
     env["TINKER_API_KEY"] = KEY
     env["HF_HUB_OFFLINE"] = "1"
+    return env
+
+
+def run_sdk(server: Server, code: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """`code` in the SDK's environment (`sdk_env`)."""
     return subprocess.run(
         [str(PYTHON), "-c", code, *args],
-        env=env,
+        env=sdk_env(server),
         capture_output=True,
         text=True,
         timeout=600,
@@ -192,6 +197,36 @@ def test_refused_requests_raise_the_sdks_errors(server: Server) -> None:
     top_k = outcomes["top_k"]
     assert top_k["top_one"] == top_k["greedy"] and top_k["free"] != top_k["greedy"], top_k
     assert outcomes["base sample"] == [True, True, True]
+
+
+def test_a_training_client_goes_on_through_a_killed_server(server: Server) -> None:
+    """SIGKILL between `forward_backward` and `optim_step`: the server started again on the
+    same port makes the run again from its journal (the summed gradient included), and the
+    SDK's client goes on: the step and the loss after it are those of a client whose server
+    never stopped. Its sampler, made before the kill, samples the same after it."""
+    env = sdk_env(server)
+    script = (DATA / "restart.py").read_text()
+    with subprocess.Popen(
+        [str(PYTHON), "-c", script],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as sdk:
+        assert sdk.stdin is not None and sdk.stdout is not None
+        accepted = json.loads(sdk.stdout.readline() or "{}")
+        assert accepted.get("accepted"), sdk.stderr.read() if sdk.stderr else ""
+        assert server.process is not None
+        server.process.kill()  # no shutdown: what the process held in memory is gone
+        server.process.wait(30)
+        server.start({"TRAINYARD_API_KEYS": KEY}, port=server.port)
+        out, err = sdk.communicate("go on\n", timeout=600)
+    assert sdk.returncode == 0, out + err + server.tail()
+    losses = json.loads(out.strip().splitlines()[-1])
+    assert losses["after_restart"] == pytest.approx(losses["after"], rel=1e-5), losses
+    assert losses["after"] < losses["before"], losses  # the step trained
+    assert losses["said_again"] == losses["said"] and len(losses["said"]) == 6, losses
 
 
 def test_a_saved_state_loads_back_with_its_optimizer_even_after_a_restart(

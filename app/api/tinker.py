@@ -112,7 +112,7 @@ async def create_model(request: Request) -> dict[str, Any] | JSONResponse:
 @router.post("/get_info", response_model=None)
 async def get_info(request: Request) -> dict[str, Any] | JSONResponse:
     try:
-        return service(request).info(str((await json_body(request)).get("model_id", "")))
+        return await service(request).info(str((await json_body(request)).get("model_id", "")))
     except TinkerError as exc:
         return refused(request, exc)
 
@@ -122,11 +122,12 @@ async def forward_backward(request: Request) -> dict[str, Any] | JSONResponse:
     try:
         if PROTOBUF not in request.headers.get("content-type", ""):
             raise TinkerError(415, f"content-type: forward_backward takes {PROTOBUF}")
+        raw = await body_of(request)
         try:
-            body = wire.read_forward_backward(await body_of(request))
+            body = wire.read_forward_backward(raw)
         except (wire.WireError, UnicodeDecodeError) as exc:
             raise TinkerError(400, f"body: not a ForwardBackwardRequest ({exc})") from exc
-        return future(service(request).forward_backward(body), body.model_id)
+        return future(await service(request).forward_backward(body, raw), body.model_id)
     except TinkerError as exc:
         return refused(request, exc)
 
@@ -135,7 +136,7 @@ async def forward_backward(request: Request) -> dict[str, Any] | JSONResponse:
 async def optim_step(request: Request) -> dict[str, Any] | JSONResponse:
     try:
         body = await json_body(request)
-        return future(service(request).optim_step(body), body.get("model_id"))
+        return future(await service(request).optim_step(body), body.get("model_id"))
     except TinkerError as exc:
         return refused(request, exc)
 
@@ -144,7 +145,7 @@ async def optim_step(request: Request) -> dict[str, Any] | JSONResponse:
 async def save_weights_for_sampler(request: Request) -> dict[str, Any] | JSONResponse:
     try:
         body = await json_body(request)
-        return future(service(request).save(body, SAMPLER), body.get("model_id"))
+        return future(await service(request).save(body, SAMPLER), body.get("model_id"))
     except TinkerError as exc:
         return refused(request, exc)
 
@@ -154,7 +155,7 @@ async def save_weights(request: Request) -> dict[str, Any] | JSONResponse:
     """The SDK's `save_state`."""
     try:
         body = await json_body(request)
-        return future(service(request).save(body, "weights"), body.get("model_id"))
+        return future(await service(request).save(body, "weights"), body.get("model_id"))
     except TinkerError as exc:
         return refused(request, exc)
 
@@ -181,7 +182,7 @@ async def create_sampling_session(request: Request) -> dict[str, Any] | JSONResp
 @router.get("/samplers/{sampler_id}", response_model=None)
 async def get_sampler(request: Request, sampler_id: str) -> dict[str, Any] | JSONResponse:
     try:
-        sampler = service(request).sampler(sampler_id)
+        sampler = await service(request).sampler(sampler_id)
     except TinkerError as exc:
         return refused(request, exc)
     return {
@@ -206,12 +207,15 @@ async def retrieve_future(request: Request) -> Response:
         request_id = str((await json_body(request)).get("request_id", ""))
     except TinkerError as exc:
         return refused(request, exc)
-    if not tinker.futures.known(request_id):
-        # 410: the SDK's "promise expired" (this process does not know it: restarted).
+    try:
+        result = await tinker.retrieve(request_id)
+    except KeyError:
+        # 410: the SDK's "promise expired" (neither this process nor the journal knows it).
         return problem_response(
             410, "Gone", f"request_id: no future {request_id!r}", request=request
         )
-    result = await tinker.futures.wait(request_id)
+    except TinkerError as exc:
+        return refused(request, exc)
     if result is None:
         body = {"type": "try_again", "request_id": request_id, "queue_state": "active"}
         return JSONResponse(body, status_code=408)

@@ -1,10 +1,12 @@
 """Tinker's futures: every training or sampling request answers with a request id at once,
 and `retrieve_future` long-polls for its result.
 
-In-process for now: a future lives in the serving process's memory (a restart loses the
-ones not yet retrieved, and the SDK's retries then fail with "Promise expired": a 410).
-A request id is derived from the model and the SDK's `seq_id`, so a request the SDK sends
-again (a lost reply) gets the future of the first, and runs once.
+A future lives in the serving process's memory; a training run's operations are also in
+its journal (`app.tinker.journal`), which answers a retrieve after a restart. A request id
+is derived from the model, the kind and the SDK's `seq_id`, so a request the SDK sends again
+(a lost reply) gets the future of the first, and runs once. Sampling is not journaled: a
+sample's future does not outlive its process (a retrieve of it then gets 410, the SDK's
+"Promise expired").
 """
 
 from __future__ import annotations

@@ -6,7 +6,6 @@ unnamed step is sampler weights `<step:06d>`)."""
 from __future__ import annotations
 
 import asyncio
-import re
 from datetime import UTC, datetime
 from typing import Any
 
@@ -25,23 +24,6 @@ def run_name(training_run_id: str) -> str:
     or the SDK's model id `<session>:train:<seq>`."""
     session, sep, seq = training_run_id.partition(":train:")
     return f"tinker-{session}-{seq}" if sep else training_run_id
-
-
-def gateway_model(path: str) -> tuple[str, str] | None:
-    """The gateway's (model, selector) for a Tinker path given as `model`:
-    `tinker://<run>/sampler_weights/<name>` is `<run>@<name>`, `tinker://<run>/weights/<name>`
-    `<run>@state-<name>`, and an unnamed step as the listing shows it (`<step:06d>`)
-    `<run>@<step>`. None: not a tinker:// path; a malformed one gives `(path, "")`, which
-    names no model."""
-    if not path.startswith(SCHEME):
-        return None
-    parts = path.removeprefix(SCHEME).split("/")
-    if len(parts) != 3 or parts[1] not in ("sampler_weights", "weights") or not parts[2]:
-        return path, ""
-    run, kind, label = parts
-    if re.fullmatch(r"[0-9]{6}", label):
-        return run, str(int(label))
-    return run, label if kind == "sampler_weights" else f"{STATE_PREFIX}{label}"
 
 
 async def checkpoints(

@@ -4,9 +4,10 @@ A training run (the SDK's `model_id`, `<session>:train:<seq>`) is a Trainyard mo
 cpu backend named `tinker-<session>-<seq>`, in project `tinker`, over a base model the cpu
 backend can load: a registered cpu model's name (its `base_model` directory) or such a
 directory itself. Its policy (the base model with a LoRA adapter of the requested rank, seed
-and targets) lives in this process. Operations on one run run one at a time, in the order
-they arrived (an asyncio lock is first-come first-served), in a thread, under the policy's
-lock.
+and targets) lives in this process. Operations on one run are journaled as they are accepted
+(`app.tinker.journal`: a restarted process makes the run again from them) and run one at a
+time, in the order they arrived (an asyncio lock is first-come first-served), in a thread,
+under the policy's lock.
 
 `save_weights_for_sampler` and `save_weights` (save_state) write the adapter as the run's
 next checkpoint step, so the registry lists it and the gateway serves it as `<run>@<step>`;
@@ -17,6 +18,8 @@ memory, or from that checkpoint (an older sampler, or one saved before a restart
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import re
 import secrets
 from dataclasses import dataclass, field
@@ -29,19 +32,23 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app.backends.cpu import base_model_refusal
 from app.checkpoints.service import set_alias
-from app.models import ModelAliasRow, ModelRow
+from app.models import ModelAliasRow, ModelRow, TinkerSamplerRow
 from app.registry.models import create_model
 from app.schemas.checkpoints import ALIAS_PATTERN, BUILTIN_ALIASES
 from app.schemas.models import ModelCreate
 from app.settings import Settings
-from app.tinker import listing, spec, wire
-from app.tinker.futures import Futures, Result
+from app.tinker import journal, listing, spec, wire
+from app.tinker.futures import LONG_POLL_SECONDS, Futures, Result
+
+log = logging.getLogger(__name__)
 
 PROJECT, SCHEME = listing.PROJECT, listing.SCHEME
 # Samplers that keep their weights in memory (the newest); the others read them from their
 # checkpoint again when asked to sample (an RL loop makes a sampler every step).
 WEIGHTS_IN_MEMORY = 8
 SAMPLER = "sampler_weights"
+SESSION_BYTES = 6
+SESSION_PATTERN = rf"s[0-9a-f]{{{2 * SESSION_BYTES}}}"
 MAX_CONTEXT = 2048
 
 
@@ -62,7 +69,8 @@ class Run:
     lora: spec.Lora
     policy: Any
     vocab: int
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # operations run one at a time
+    accepting: asyncio.Lock = field(default_factory=asyncio.Lock)  # journaled in order
     step: int = 0  # checkpoint steps written (sampler saves)
 
 
@@ -105,6 +113,7 @@ class TinkerService:
         self._base_policies: dict[str, Any] = {}
         self._base_lock = asyncio.Lock()
         self._in_memory: list[Sampler] = []  # samplers holding their weights, oldest first
+        self._restoring: dict[str, asyncio.Future[Run]] = {}
 
     async def close(self) -> None:
         await self.futures.close()
@@ -112,14 +121,22 @@ class TinkerService:
     # -- sessions and capabilities -----------------------------------------------------
 
     def create_session(self) -> str:
-        session_id = f"s{secrets.token_hex(6)}"
+        session_id = f"s{secrets.token_hex(SESSION_BYTES)}"
         self.tinker_sessions[session_id] = 0
         return session_id
 
     def heartbeat(self, session_id: str) -> None:
+        self.tinker_sessions[self._session(session_id)] += 1
+
+    def _session(self, session_id: Any) -> str:
+        """A session of this process, or one an earlier process made (its SDK goes on after
+        a restart: its runs are made again from the journal)."""
+        session_id = str(session_id)
         if session_id not in self.tinker_sessions:
-            raise TinkerError(404, f"session_id: no session {session_id!r}")
-        self.tinker_sessions[session_id] += 1
+            if not re.fullmatch(SESSION_PATTERN, session_id):
+                raise TinkerError(404, f"session_id: no session {session_id!r}")
+            self.tinker_sessions[session_id] = 0
+        return session_id
 
     async def capabilities(self) -> list[dict[str, Any]]:
         from sqlalchemy import select
@@ -163,9 +180,7 @@ class TinkerService:
     # -- training runs -----------------------------------------------------------------
 
     async def create_model(self, body: dict[str, Any]) -> str:
-        session_id, seq = str(body.get("session_id", "")), body.get("model_seq_id")
-        if session_id not in self.tinker_sessions:
-            raise TinkerError(404, f"session_id: no session {session_id!r}")
+        session_id, seq = self._session(body.get("session_id", "")), body.get("model_seq_id")
         lora_body = body.get("lora_config") or {}
         rank = lora_body.get("rank", 32)
         if not isinstance(rank, int) or not 1 <= rank <= 256:
@@ -211,14 +226,69 @@ class TinkerService:
             )
         return self.runs[model_id]
 
-    def run(self, model_id: str) -> Run:
+    async def run(self, model_id: str) -> Run:
+        """The run `model_id`: held by this process, or made again from its registry model
+        and its journal (a run of an earlier process: see `app.tinker.journal`)."""
         run = self.runs.get(model_id)
-        if run is None:
+        if run is not None:
+            return run
+        task = self._restoring.get(model_id)
+        if task is None:
+            task = asyncio.ensure_future(self._restore(model_id))
+            self._restoring[model_id] = task
+            task.add_done_callback(lambda _: self._restoring.pop(model_id, None))
+        return await asyncio.shield(task)
+
+    async def _restore(self, model_id: str) -> Run:
+        name = listing.run_name(model_id)
+        async with self.sessions() as session:
+            row = await session.get(ModelRow, name)
+        if row is None or row.project != PROJECT or ":train:" not in model_id:
             raise TinkerError(404, f"model_id: no training run {model_id!r}")
+        lora = lora_of(row)
+        policy = await asyncio.to_thread(
+            _trainer().load_policy, row.base_model, lora, self.settings.cpu_device
+        )
+        run = Run(model_id, name, row.base_model, row.base_model, lora, policy, vocab_size(policy))
+        async with run.lock:  # operations accepted meanwhile wait for the replay
+            self.runs[model_id] = run
+            ops = await journal.operations(self.sessions, name)
+            pending: dict[str, asyncio.Future[Result]] = {}
+            for op in ops:
+                if not op.done:  # a retrieve of it waits for the replay to do it
+                    pending[op.request_id] = asyncio.get_running_loop().create_future()
+                    self.futures.submit(op.request_id, pending[op.request_id])
+            await self._replay(run, ops, pending)
         return run
 
-    def info(self, model_id: str) -> dict[str, Any]:
-        run = self.run(model_id)
+    async def _replay(
+        self, run: Run, ops: list[journal.Operation], pending: dict[str, asyncio.Future[Result]]
+    ) -> None:
+        """Do the run's journaled operations over, in order: what was done before only for
+        its effect on the policy (its answer stands), what was not done for good."""
+        index = 0
+        async for body in journal.bodies(self.sessions, ops):
+            op = ops[index]
+            index += 1
+            if op.done and op.kind in ("save_weights", "save_weights_for_sampler"):
+                if op.step is not None and op.path is not None:
+                    run.step = max(run.step, op.step)
+                    self.saved[op.path] = (run.name, op.step)
+                continue  # written when it was done
+            if op.done and op.kind == "forward":
+                continue  # changed nothing
+            try:
+                result, step, path = await self._execute(run, op.kind, body)
+            except Exception as exc:
+                log.exception("tinker run %s: replaying %s failed", run.name, op.request_id)
+                error = f"{type(exc).__name__}: {exc}"
+                result, step, path = Result(error=error, category="server"), None, None
+            if not op.done:
+                await journal.finish(self.sessions, op.request_id, result, step=step, path=path)
+                pending[op.request_id].set_result(result)
+
+    async def info(self, model_id: str) -> dict[str, Any]:
+        run = await self.run(model_id)
         return {
             "type": "get_info",
             "model_id": model_id,
@@ -232,18 +302,85 @@ class TinkerService:
             "model_name": run.base_model,
         }
 
-    def submit(self, run: Run, seq_id: Any, kind: str, work: Any) -> str:
-        """Run `work` (a function of the policy, in a thread) after the run's earlier requests."""
+    async def submit(self, run: Run, seq_id: Any, kind: str, body: bytes) -> str:
+        """Accept an operation: journal it, then do it after the run's earlier ones (the
+        run's lock is first-come first-served). The same `seq_id` again is the same
+        operation, done once."""
         request_id = f"{run.model_id}:{kind}:{seq_id}"
+        async with run.accepting:
+            if self.futures.known(request_id):
+                return request_id
+            accepted = await journal.accept(
+                self.sessions,
+                request_id=request_id,
+                model_name=run.name,
+                model_id=run.model_id,
+                kind=kind,
+                body=body,
+            )
+            work = self._do(run, request_id, kind, body) if accepted else self._stored(request_id)
+            self.futures.submit(request_id, work)
+        return request_id
 
-        async def go() -> Result:
-            async with run.lock:
-                try:
-                    return await asyncio.to_thread(self._locked, run, work)
-                except spec.UserError as exc:
-                    return Result(error=str(exc), category="user")
+    async def _do(self, run: Run, request_id: str, kind: str, body: bytes) -> Result:
+        async with run.lock:
+            result, step, path = await self._execute(run, kind, body)
+            await journal.finish(self.sessions, request_id, result, step=step, path=path)
+            return result
 
-        return self.futures.submit(request_id, go())
+    async def _stored(self, request_id: str) -> Result:
+        """An operation accepted before whose future this process no longer holds: its
+        answer. (One not done yet has a future here: the replay that does it made one.)"""
+        result = await journal.result(self.sessions, request_id)
+        if result is None:
+            return Result(error=f"{request_id}: accepted, not done yet", category="server")
+        return result
+
+    async def _execute(
+        self, run: Run, kind: str, body: bytes
+    ) -> tuple[Result, int | None, str | None]:
+        """Do one operation on the run (its lock held): the answer, and a save's step and
+        path."""
+        try:
+            if kind in ("forward", "forward_backward"):
+                request = wire.read_forward_backward(body)
+
+                def step_of(policy: Any) -> Result:
+                    outputs, metrics = _trainer().forward_backward(
+                        policy,
+                        request.data,
+                        request.loss_fn,
+                        request.loss_fn_config,
+                        backward=kind == "forward_backward",
+                    )
+                    return Result(proto=wire.write_forward_backward_output(outputs, metrics))
+
+                return await asyncio.to_thread(self._locked, run, step_of), None, None
+            fields = json.loads(body)
+            if kind == "optim_step":
+                params = {**DEFAULT_ADAM, **(fields.get("adam_params") or {})}
+
+                def optim(policy: Any) -> Result:
+                    return Result(json={"metrics": _trainer().optim_step(policy, params)})
+
+                return await asyncio.to_thread(self._locked, run, optim), None, None
+            if kind == "load_weights":
+                path = fields.get("path")
+                _, directory = await self._checkpoint(path)
+                with_optimizer = bool(fields.get("optimizer"))
+
+                def load(policy: Any) -> Result:
+                    _trainer().load_state(policy, directory, with_optimizer=with_optimizer)
+                    return Result(
+                        json={"type": "load_weights", "path": path, "model_id": run.model_id}
+                    )
+
+                return await asyncio.to_thread(self._locked, run, load), None, None
+            return await self._save_now(run, kind, fields.get("path"))
+        except spec.UserError as exc:
+            return Result(error=str(exc), category="user"), None, None
+        except TinkerError as exc:
+            return Result(error=str(exc), category="user"), None, None
 
     @staticmethod
     def _locked(run: Run, work: Any) -> Result:
@@ -251,91 +388,71 @@ class TinkerService:
             result: Result = work(run.policy)
             return result
 
-    def forward_backward(self, request: wire.ForwardBackwardRequest) -> str:
-        run = self.run(request.model_id)
+    async def forward_backward(self, request: wire.ForwardBackwardRequest, raw: bytes) -> str:
+        run = await self.run(request.model_id)
         try:  # before it is queued: the SDK raises a 400 as BadRequestError
             spec.check_data(run.vocab, request.loss_fn, request.data)
         except spec.UserError as exc:
             raise TinkerError(400, str(exc)) from exc
+        kind = "forward" if request.forward_only else "forward_backward"
+        return await self.submit(run, request.seq_id, kind, raw)
 
-        def work(policy: Any) -> Result:
-            outputs, metrics = _trainer().forward_backward(
-                policy,
-                request.data,
-                request.loss_fn,
-                request.loss_fn_config,
-                backward=not request.forward_only,
-            )
-            return Result(proto=wire.write_forward_backward_output(outputs, metrics))
-
-        return self.submit(run, request.seq_id, "forward_backward", work)
-
-    def optim_step(self, body: dict[str, Any]) -> str:
-        run = self.run(str(body.get("model_id", "")))
+    async def optim_step(self, body: dict[str, Any]) -> str:
+        run = await self.run(str(body.get("model_id", "")))
         params = {**DEFAULT_ADAM, **(body.get("adam_params") or {})}
         lr = params["learning_rate"]
         if not isinstance(lr, int | float) or not 0 <= lr <= 1:
             raise TinkerError(400, "adam_params.learning_rate: must be a number from 0 to 1")
+        return await self.submit(run, body.get("seq_id"), "optim_step", _json(body))
 
-        def work(policy: Any) -> Result:
-            return Result(json={"metrics": _trainer().optim_step(policy, params)})
-
-        return self.submit(run, body.get("seq_id"), "optim_step", work)
-
-    def save(self, body: dict[str, Any], kind: str) -> str:
+    async def save(self, body: dict[str, Any], kind: str) -> str:
         """`save_weights_for_sampler` (kind `sampler_weights`) or `save_weights` (`weights`,
         the SDK's save_state): the adapter (and the optimizer's state) as the run's next
         checkpoint step. A name that can be an alias becomes one: as itself for a sampler's
         weights (the gateway serves `<run>@<name>`), as `state-<name>` for a state (so a
         `tinker://` path of it resolves after a restart)."""
-        run = self.run(str(body.get("model_id", "")))
+        run = await self.run(str(body.get("model_id", "")))
         name = body.get("path")
         if name is not None and (not isinstance(name, str) or not name or "/" in name):
             raise TinkerError(400, "path: a name without `/`")
+        operation = "save_weights_for_sampler" if kind == SAMPLER else "save_weights"
+        return await self.submit(run, body.get("seq_id"), operation, _json(body))
+
+    async def _save_now(
+        self, run: Run, operation: str, name: str | None
+    ) -> tuple[Result, int | None, str | None]:
+        kind = SAMPLER if operation == "save_weights_for_sampler" else "weights"
         alias = None if name is None else name if kind == SAMPLER else f"state-{name}"
-
-        async def go() -> Result:
-            async with run.lock:
-                weights, step = await asyncio.to_thread(self._save, run)
-                async with self.sessions() as session:
-                    # The model's current step is the newest save: `<run>`, `<run>@latest`
-                    # and `<run>@<step>` name it at the gateway.
-                    await session.execute(
-                        update(ModelRow)
-                        .where(ModelRow.name == run.name, ModelRow.current_step < step)
-                        .values(current_step=step, step_known=True)
-                    )
-                    if (
-                        alias
-                        and re.fullmatch(ALIAS_PATTERN, alias)
-                        and alias not in BUILTIN_ALIASES
-                    ):
-                        await set_alias(
-                            session, self.backends, name=run.name, alias=alias, step=step
-                        )
-                    await session.commit()
-            path = f"{SCHEME}{run.name}/{kind}/{name or f'{step:06d}'}"
-            self.saved[path] = (run.name, step)
-            if kind != SAMPLER:
-                return Result(json={"type": "save_weights", "path": path})
-            directory = self._directory(run, step)
-            sampler = self._new_sampler(
-                run.base_model,
-                path,
-                run=run,
-                policy=run.policy,
-                weights=weights,
-                directory=directory,
+        weights, step = await asyncio.to_thread(self._save, run)
+        async with self.sessions() as session:
+            # The model's current step is the newest save: `<run>`, `<run>@latest` and
+            # `<run>@<step>` name it at the gateway.
+            await session.execute(
+                update(ModelRow)
+                .where(ModelRow.name == run.name, ModelRow.current_step < step)
+                .values(current_step=step, step_known=True)
             )
-            return Result(
-                json={
-                    "type": "save_weights_for_sampler",
-                    "path": path if name else None,
-                    "sampling_session_id": None if name else sampler.sampler_id,
-                }
-            )
-
-        return self.futures.submit(f"{run.model_id}:save_{kind}:{body.get('seq_id')}", go())
+            if alias and re.fullmatch(ALIAS_PATTERN, alias) and alias not in BUILTIN_ALIASES:
+                await set_alias(session, self.backends, name=run.name, alias=alias, step=step)
+            await session.commit()
+        path = f"{SCHEME}{run.name}/{kind}/{name or f'{step:06d}'}"
+        self.saved[path] = (run.name, step)
+        if kind != SAMPLER:
+            return Result(json={"type": "save_weights", "path": path}), step, path
+        sampler = await self._new_sampler(
+            run.base_model,
+            path,
+            run=run,
+            policy=run.policy,
+            weights=weights,
+            directory=self._directory(run, step),
+        )
+        answer = {
+            "type": "save_weights_for_sampler",
+            "path": path if name else None,
+            "sampling_session_id": None if name else sampler.sampler_id,
+        }
+        return Result(json=answer), step, path
 
     def _directory(self, run: Run, step: int) -> Path:
         return Path(self.backends.get("cpu").backend.location(_Named(run.name, PROJECT), step))
@@ -354,8 +471,8 @@ class TinkerService:
         return weights, step
 
     async def _checkpoint(self, path: Any, field: str = "path") -> tuple[ModelRow, Path]:
-        """The registry model and the checkpoint directory a `tinker://` path names: one saved
-        by this process, or, after a restart, one whose name is an alias (see `save`)."""
+        """The registry model and the checkpoint directory a `tinker://` path names: a save
+        of this process or of the journal, or one whose name is an alias (see `save`)."""
         if not isinstance(path, str) or not path.startswith(SCHEME):
             raise TinkerError(400, f"{field}: a tinker:// path")
         parts = path.removeprefix(SCHEME).split("/")
@@ -363,9 +480,9 @@ class TinkerService:
             raise TinkerError(
                 400, f"{field}: {path!r} is not tinker://<run>/<weights|sampler_weights>/<name>"
             )
+        found = self.saved.get(path) or await journal.saved(self.sessions, path)
         async with self.sessions() as session:
             row = await session.get(ModelRow, parts[0])
-            found = self.saved.get(path)
             if found is None and row is not None:
                 alias = parts[2] if parts[1] == SAMPLER else f"state-{parts[2]}"
                 aliased = await session.get(ModelAliasRow, (row.name, alias))
@@ -385,12 +502,9 @@ class TinkerService:
         session (`session_id`, `model_seq_id`: create_training_client_from_state) with the
         checkpoint's LoRA config. With `optimizer`, the optimizer's state too."""
         path = body.get("path")
-        row, directory = await self._checkpoint(path)
-        with_optimizer = bool(body.get("optimizer"))
+        row, _ = await self._checkpoint(path)
         if body.get("session_id") is not None:
-            session_id = str(body["session_id"])
-            if session_id not in self.tinker_sessions:
-                raise TinkerError(404, f"session_id: no session {session_id!r}")
+            session_id = self._session(body["session_id"])
             lora = lora_of(row)
             base = str(body.get("base_model") or row.base_model)
             run = await self._open_run(
@@ -398,14 +512,10 @@ class TinkerService:
             )
             seq_id: Any = 0
         else:
-            run = self.run(str(body.get("model_id", "")))
+            run = await self.run(str(body.get("model_id", "")))
             seq_id = body.get("seq_id")
-
-        def work(policy: Any) -> Result:
-            _trainer().load_state(policy, directory, with_optimizer=with_optimizer)
-            return Result(json={"type": "load_weights", "path": path, "model_id": run.model_id})
-
-        return self.submit(run, seq_id, "load_weights", work), run.model_id
+        fields = {"path": path, "optimizer": bool(body.get("optimizer"))}
+        return await self.submit(run, seq_id, "load_weights", _json(fields)), run.model_id
 
     # -- the RestClient's views ----------------------------------------------------------
 
@@ -441,10 +551,15 @@ class TinkerService:
                 self._in_memory.pop(0).weights = None
         return sampler
 
-    def _new_sampler(self, base_model: str, path: str | None, **source: Any) -> Sampler:
-        return self._add_sampler(
-            Sampler(f"sampler-{secrets.token_hex(6)}", base_model, path, **source)
-        )
+    async def _new_sampler(self, base_model: str, path: str | None, **source: Any) -> Sampler:
+        """A sampling session, recorded so that a restarted process samples from it again."""
+        sampler_id = f"sampler-{secrets.token_hex(6)}"
+        async with self.sessions() as session:
+            session.add(
+                TinkerSamplerRow(sampler_id=sampler_id, base_model=base_model, model_path=path)
+            )
+            await session.commit()
+        return self._add_sampler(Sampler(sampler_id, base_model, path, **source))
 
     async def create_sampling_session(self, body: dict[str, Any]) -> str:
         path, base = body.get("model_path"), body.get("base_model")
@@ -453,19 +568,24 @@ class TinkerService:
             if found is not None:
                 old = self.samplers[found]
                 source = {"policy": old.policy, "weights": old.weights, "directory": old.directory}
-                return self._new_sampler(
+                made = await self._new_sampler(
                     old.base_model, old.model_path, run=old.run, **source
-                ).sampler_id
-            # Saved before this process started: the registry knows the step by its alias.
-            row, directory = await self._checkpoint(path, "model_path")
-            policy = await self._restored_policy(row)
-            return self._new_sampler(
-                row.base_model, str(path), run=None, policy=policy, directory=directory
-            ).sampler_id
+                )
+                return made.sampler_id
+            # Saved by an earlier process: the journal, or an alias, knows its step.
+            base_model, source = await self._from_path(path, "model_path")
+            return (await self._new_sampler(base_model, str(path), **source)).sampler_id
         if not base:
             raise TinkerError(400, "base_model: required when model_path is not given")
         await self.resolve_base(str(base))
-        return self._new_sampler(str(base), None, run=None).sampler_id
+        return (await self._new_sampler(str(base), None, run=None)).sampler_id
+
+    async def _from_path(self, path: Any, field: str) -> tuple[str, dict[str, Any]]:
+        """What a sampler of a saved `tinker://` path samples with: the run's base model, a
+        policy of its LoRA config, and the checkpoint directory its weights are read from."""
+        row, directory = await self._checkpoint(path, field)
+        policy = await self._restored_policy(row)
+        return row.base_model, {"run": None, "policy": policy, "directory": directory}
 
     async def _restored_policy(self, row: ModelRow) -> Any:
         """A policy for a run of an earlier process: its base model and LoRA config."""
@@ -479,11 +599,39 @@ class TinkerService:
                 )
             return self._base_policies[row.name]
 
-    def sampler(self, sampler_id: str) -> Sampler:
+    async def retrieve(self, request_id: str) -> Result | None:
+        """A future's result; None when it is not ready within the long poll. One this
+        process never held is answered from the journal (done), or once its run has been
+        made again and the replay has done it. KeyError: no such request."""
+        if not self.futures.known(request_id):
+            found = await journal.find(self.sessions, request_id)
+            if found is None:
+                raise KeyError(request_id)
+            if found.done:
+                return await journal.result(self.sessions, request_id)
+            restoring = asyncio.ensure_future(self.run(found.model_id))
+            done, _ = await asyncio.wait({restoring}, timeout=LONG_POLL_SECONDS)
+            if not done:
+                return None  # the SDK asks again; the replay goes on
+            restoring.result()
+            if not self.futures.known(request_id):
+                return await journal.result(self.sessions, request_id)
+        return await self.futures.wait(request_id)
+
+    async def sampler(self, sampler_id: str) -> Sampler:
+        """A sampling session of this process, or one an earlier process recorded (made
+        again from its path or base model)."""
         sampler = self.samplers.get(sampler_id)
-        if sampler is None:
+        if sampler is not None:
+            return sampler
+        async with self.sessions() as session:
+            row = await session.get(TinkerSamplerRow, sampler_id)
+        if row is None:
             raise TinkerError(404, f"sampling_session_id: no sampler {sampler_id!r}")
-        return sampler
+        if row.model_path is None:
+            return self._add_sampler(Sampler(sampler_id, row.base_model, None, run=None))
+        base_model, source = await self._from_path(row.model_path, "sampling_session_id")
+        return self._add_sampler(Sampler(sampler_id, base_model, row.model_path, **source))
 
     async def _base_policy(self, base_model: str) -> Any:
         async with self._base_lock:
@@ -496,7 +644,7 @@ class TinkerService:
             return self._base_policies[base_model]
 
     async def asample(self, body: dict[str, Any]) -> dict[str, Any]:
-        sampler = self.sampler(str(body.get("sampling_session_id", "")))
+        sampler = await self.sampler(str(body.get("sampling_session_id", "")))
         params = body.get("sampling_params") or {}
         prompt = [
             t
@@ -644,3 +792,8 @@ DEFAULT_ADAM = {
     "weight_decay": 0.0,
     "grad_clip_norm": 0.0,
 }
+
+
+def _json(body: dict[str, Any]) -> bytes:
+    """An operation's body as the journal keeps it."""
+    return json.dumps(body, separators=(",", ":")).encode()

@@ -1,0 +1,197 @@
+"""A Tinker training run's journal: every operation written when it is accepted (before the
+SDK gets its request id) and again with its result (`tinker_operations`).
+
+What it buys: a restart loses nothing accepted. A run that a new process does not hold is
+made again from its registry model (base model and LoRA config: the same seeded start) by
+doing its operations over in the order they were accepted; gradients summed before the
+restart are summed again, AdamW's steps taken again, and an operation that was accepted but
+not done is done then. A retrieve of a future this process never held is answered from the
+row. A request the SDK sends again (the same `model_id`, kind and `seq_id`) finds its row and
+is not done twice.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import func, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from app.db import utcnow
+from app.models import TinkerOperationRow
+from app.tinker.futures import Result
+
+Sessions = async_sessionmaker[AsyncSession]
+
+
+@dataclass(frozen=True)
+class Operation:
+    """A journal row, as a replay or a retrieve reads it."""
+
+    request_id: str
+    model_id: str
+    seq: int
+    kind: str
+    done: bool
+    step: int | None
+    path: str | None
+
+
+async def accept(
+    sessions: Sessions, *, request_id: str, model_name: str, model_id: str, kind: str, body: bytes
+) -> bool:
+    """Write the operation as accepted, next in its run's order. False: it was accepted
+    before (the SDK sent it again). The caller holds the run's accepting lock, so the
+    next `seq` is not taken meanwhile by this process."""
+    async with sessions() as session:
+        if await session.get(TinkerOperationRow, request_id) is not None:
+            return False
+        last = await session.scalar(
+            select(func.max(TinkerOperationRow.seq)).where(
+                TinkerOperationRow.model_name == model_name
+            )
+        )
+        session.add(
+            TinkerOperationRow(
+                request_id=request_id,
+                model_name=model_name,
+                model_id=model_id,
+                seq=(last or 0) + 1,
+                kind=kind,
+                body=body,
+            )
+        )
+        try:
+            await session.commit()
+        except IntegrityError:  # written meanwhile by another request with this id
+            return False
+    return True
+
+
+async def finish(
+    sessions: Sessions,
+    request_id: str,
+    result: Result,
+    *,
+    step: int | None = None,
+    path: str | None = None,
+) -> None:
+    """Write the operation's result (once: a replay does not overwrite what was answered)."""
+    if result.error is not None:
+        kind, payload = "error", result.error.encode()
+    elif result.proto is not None:
+        kind, payload = "proto", result.proto
+    else:
+        kind, payload = "json", json.dumps(result.json).encode()
+    async with sessions() as session:
+        await session.execute(
+            update(TinkerOperationRow)
+            .where(
+                TinkerOperationRow.request_id == request_id,
+                TinkerOperationRow.done_at.is_(None),
+            )
+            .values(
+                result_type=kind,
+                result=payload,
+                category=result.category if result.error is not None else None,
+                step=step,
+                path=path,
+                done_at=utcnow(),
+            )
+        )
+        await session.commit()
+
+
+def _operation(row: Any) -> Operation:
+    return Operation(
+        row.request_id,
+        row.model_id,
+        row.seq,
+        row.kind,
+        row.done_at is not None,
+        row.step,
+        row.path,
+    )
+
+
+_COLUMNS = (
+    TinkerOperationRow.request_id,
+    TinkerOperationRow.model_id,
+    TinkerOperationRow.seq,
+    TinkerOperationRow.kind,
+    TinkerOperationRow.done_at,
+    TinkerOperationRow.step,
+    TinkerOperationRow.path,
+)
+
+
+async def find(sessions: Sessions, request_id: str) -> Operation | None:
+    async with sessions() as session:
+        row = (
+            await session.execute(
+                select(*_COLUMNS).where(TinkerOperationRow.request_id == request_id)
+            )
+        ).one_or_none()
+    return None if row is None else _operation(row)
+
+
+async def result(sessions: Sessions, request_id: str) -> Result | None:
+    """The stored result of a done operation; None while it is not done."""
+    async with sessions() as session:
+        row = (
+            await session.execute(
+                select(
+                    TinkerOperationRow.result_type,
+                    TinkerOperationRow.result,
+                    TinkerOperationRow.category,
+                ).where(TinkerOperationRow.request_id == request_id)
+            )
+        ).one_or_none()
+    if row is None or row.result_type is None or row.result is None:
+        return None
+    if row.result_type == "error":
+        return Result(error=row.result.decode(), category=row.category or "server")
+    if row.result_type == "proto":
+        return Result(proto=row.result)
+    return Result(json=json.loads(row.result))
+
+
+async def operations(sessions: Sessions, model_name: str) -> list[Operation]:
+    """The run's operations in the order they were accepted (without their bodies)."""
+    async with sessions() as session:
+        rows = await session.execute(
+            select(*_COLUMNS)
+            .where(TinkerOperationRow.model_name == model_name)
+            .order_by(TinkerOperationRow.seq)
+        )
+        return [_operation(row) for row in rows]
+
+
+async def bodies(sessions: Sessions, ops: list[Operation]) -> AsyncIterator[bytes]:
+    """Each operation's body, read one at a time (a long run's journal is not held whole)."""
+    for op in ops:
+        async with sessions() as session:
+            body = await session.scalar(
+                select(TinkerOperationRow.body).where(
+                    TinkerOperationRow.request_id == op.request_id
+                )
+            )
+        yield body or b""
+
+
+async def saved(sessions: Sessions, path: str) -> tuple[str, int] | None:
+    """The registry model and step of a save with this `tinker://` path (the newest)."""
+    async with sessions() as session:
+        row = (
+            await session.execute(
+                select(TinkerOperationRow.model_name, TinkerOperationRow.step)
+                .where(TinkerOperationRow.path == path, TinkerOperationRow.step.is_not(None))
+                .order_by(TinkerOperationRow.created_at.desc())
+                .limit(1)
+            )
+        ).one_or_none()
+    return None if row is None else (row.model_name, row.step)

@@ -1,0 +1,139 @@
+"""A Tinker run's journal: operations accepted and not yet done when their process died are
+done by the next process, in order, with the answers and weights of a run that never
+stopped; a retrieve is answered from the journal; a request sent again is not done twice.
+
+Processes are `TinkerService` objects over one database and data directory: the first is
+dropped with its operations queued behind the run's lock (its tasks cancelled, as a killed
+process's are), the next knows the run only from the registry and the journal. The bodies
+of `forward_backward` are the SDK's own protobuf (its encoder, in `.venv-tinker`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import func, select
+
+from app.models import TinkerOperationRow
+from app.tinker import wire
+from app.tinker.futures import Result
+from app.tinker.service import TinkerService
+from tests.conftest import LiveServer
+from tests.test_tinker_wire import sdk
+
+pytestmark = [pytest.mark.torch]
+
+ENCODE = """
+import sys, numpy as np
+from tinker import types
+from tinker.proto.request_conv import forward_backward_request_to_proto
+
+tokens = list(range(3, 15))
+datum = types.Datum(
+    model_input=types.ModelInput.from_ints(tokens[:-1]),
+    loss_fn_inputs={
+        "target_tokens": types.TensorData.from_numpy(np.array(tokens[1:])),
+        "weights": types.TensorData.from_numpy(np.ones(len(tokens) - 1, dtype=np.float32)),
+    })
+request = types.ForwardBackwardRequest(
+    forward_backward_input=types.ForwardBackwardInput(data=[datum, datum], loss_fn="cross_entropy"),
+    model_id=sys.argv[1], seq_id=int(sys.argv[2]))
+sys.stdout.buffer.write(forward_backward_request_to_proto(request).SerializeToString())
+"""
+ADAM = {"learning_rate": 0.02}
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from app.backends.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("journal-models") / "tiny")
+
+
+@pytest.fixture
+async def live(serve: Callable[..., LiveServer], tiny_model: Path) -> Any:
+    async with serve(model_roots=[tiny_model.parent]) as server:
+        yield server
+
+
+async def start_run(service: TinkerService, base: Path) -> str:
+    session = service.create_session()
+    lora = {"rank": 4, "seed": 5}
+    body = {"session_id": session, "model_seq_id": 0, "base_model": str(base), "lora_config": lora}
+    return await service.create_model(body)
+
+
+async def accept_step(service: TinkerService, model_id: str) -> tuple[str, str]:
+    """`forward_backward` then `optim_step`, accepted: their request ids."""
+    raw = sdk(ENCODE, model_id, "1")
+    backward = await service.forward_backward(wire.read_forward_backward(raw), raw)
+    step = await service.optim_step({"model_id": model_id, "seq_id": 2, "adam_params": ADAM})
+    return backward, step
+
+
+async def answer(service: TinkerService, request_id: str) -> Result:
+    result = await service.retrieve(request_id)
+    assert result is not None and result.error is None, result
+    return result
+
+
+def adapter(service: TinkerService, model_id: str) -> dict[str, Any]:
+    from app.tinker import trainer
+
+    return trainer.adapter_state(service.runs[model_id].policy)
+
+
+async def test_operations_accepted_before_a_crash_are_done_after_it(
+    live: LiveServer, tiny_model: Path
+) -> None:
+    state = live.app.state
+
+    def process() -> TinkerService:
+        return TinkerService(state.settings, state.sessions, state.backends)
+
+    first = process()
+    model_id = await start_run(first, tiny_model)
+    run = await first.run(model_id)
+    async with run.lock:  # busy: both wait in line, journaled, when the process dies
+        backward, step = await accept_step(first, model_id)
+        await first.futures.close()
+    del first
+
+    after = process()  # knows the run only from the registry and the journal
+    stepped = await answer(after, step)  # the run is made again, its operations done
+    summed = await answer(after, backward)
+
+    same = process()  # the same operations on a run that never stopped
+    other = await start_run(same, tiny_model)
+    other_backward, other_step = await accept_step(same, other)
+    assert summed.proto == (await answer(same, other_backward)).proto
+    assert stepped.json == (await answer(same, other_step)).json
+    theirs = adapter(same, other)
+    for name, tensor in adapter(after, model_id).items():
+        assert tensor.equal(theirs[name]), name
+    # The step moved the weights: they are not those a new run of the same seed starts from.
+    start = adapter(same, await start_run(same, tiny_model))
+    assert any(not t.equal(start[n]) for n, t in theirs.items())
+
+    # Asked again by a third process: the journal's answer, with nothing done again.
+    again = process()
+    assert (await answer(again, step)).json == stepped.json
+    assert (await answer(again, backward)).proto == summed.proto
+    assert model_id not in again.runs
+
+    # The SDK sends a request again (a reply it lost): the same id, done once.
+    assert await after.optim_step({"model_id": model_id, "seq_id": 2}) == step
+    async with state.sessions() as session:
+        rows = await session.scalar(
+            select(func.count()).where(TinkerOperationRow.model_id == model_id)
+        )
+    assert rows == 2
+
+
+async def test_a_retrieve_of_an_unknown_request_is_a_key_error(live: LiveServer) -> None:
+    state = live.app.state
+    service = TinkerService(state.settings, state.sessions, state.backends)
+    with pytest.raises(KeyError):
+        await service.retrieve("s000000000000:train:0:optim_step:9")
