@@ -42,9 +42,7 @@ def upgrade() -> None:
         sa.Column("created_at", app.db.UTCDateTime(timezone=True), nullable=False),
         sa.Column("done_at", app.db.UTCDateTime(timezone=True), nullable=True),
         sa.PrimaryKeyConstraint("request_id", name=op.f("pk_tinker_operations")),
-        sa.UniqueConstraint(
-            "model_name", "seq", name=op.f("uq_tinker_operations_model_name_seq")
-        ),
+        sa.UniqueConstraint("model_name", "seq", name=op.f("uq_tinker_operations_model_name_seq")),
     )
     op.create_table(
         "tinker_samplers",
