@@ -34,7 +34,7 @@ prompt = types.ModelInput.from_ints(tokens[:4])
 greedy = types.SamplingParams(max_tokens=len(tokens) - 4, temperature=0.0)
 sampled = sampler.sample(prompt, num_samples=1, sampling_params=greedy).result().sequences[0]
 scored = sampler.compute_logprobs(types.ModelInput.from_ints(tokens)).result()
-rest = service.create_rest_client()  # the run and its checkpoints, as the registry has them
+rest = tinker.RestClient()  # the run and its checkpoints, as the registry has them
 run = rest.get_training_run(info.model_id).result()
 listed = rest.list_checkpoints(run.training_run_id).result().checkpoints
 runs = rest.list_training_runs(limit=50).result()
