@@ -33,6 +33,7 @@ from app.errors import (
     NotFoundError,
     ProblemError,
     format_path,
+    not_found,
 )
 from app.ingest import jsontext
 from app.ingest.freeing import dispose
@@ -221,7 +222,7 @@ def to_wire(row: DatasetRow) -> Dataset:
 async def get_dataset(session: AsyncSession, dataset_id: str) -> DatasetRow:
     row = await session.get(DatasetRow, dataset_id)
     if row is None:
-        raise NotFoundError(f"no dataset {dataset_id!r}")
+        raise not_found("dataset", dataset_id, param="dataset_id")
     return row
 
 

@@ -54,6 +54,18 @@ class NotFoundError(ProblemError):
     status, title, slug = 404, "Not Found", "not-found"
 
 
+def not_found(
+    kind: str, ident: object, *, param: str, detail: str | None = None, location: str = "path"
+) -> NotFoundError:
+    """The 404 of a resource the caller named: `detail` says which (`no run 'run_x'`), and
+    `errors` names the parameter that named it, as a 422 names a body field."""
+    message = detail or f"no {kind} {ident!r}"
+    error = FieldError.model_validate(
+        {"location": location, "path": param, "message": message, "type": "not_found"}
+    )
+    return NotFoundError(message, errors=[error])
+
+
 class ConflictError(ProblemError):
     status, title, slug = 409, "Conflict", "conflict"
 

@@ -190,12 +190,15 @@ async def test_list_alias_and_delete_checkpoints(serve, tiny_model, tmp_path) ->
         assert _on_disk(tmp_path / "data") == [0, 1, 3]
         gone = _problem(await client.get("/v1/models/toy/checkpoints/2"), 404)
         assert _field_errors(gone) == [("path", "step", "not_found")]
+        assert gone["detail"] == "model 'toy' has no checkpoint of step 2"
         _problem(await client.delete("/v1/models/toy/checkpoints/2"), 404)
         with pytest.raises(openai.NotFoundError):  # the backend has no step 2 any more
             await gateway.chat.completions.create(model="toy@2", messages=PROMPT, max_tokens=1)
 
         assert (await client.delete("/v1/models/toy/aliases/prod")).status_code == 204
-        _problem(await client.delete("/v1/models/toy/aliases/prod"), 404)
+        no_alias = _problem(await client.delete("/v1/models/toy/aliases/prod"), 404)
+        assert no_alias["detail"] == "model 'toy' has no alias 'prod'"
+        assert _field_errors(no_alias) == [("path", "alias", "not_found")]
         _problem(await client.delete("/v1/models/toy/aliases/best"), 422)
         assert (await client.delete("/v1/models/toy/checkpoints/1")).status_code == 204
         assert _on_disk(tmp_path / "data") == [0, 3]
@@ -206,6 +209,7 @@ async def test_list_alias_and_delete_checkpoints(serve, tiny_model, tmp_path) ->
 
         nope = _problem(await client.get("/v1/models/nope/checkpoints"), 404)
         assert _field_errors(nope) == [("path", "name", "not_found")]
+        assert nope["detail"] == "no model 'nope'"
         _problem(await client.put("/v1/models/nope/aliases/a", json={"step": 0}), 404)
         _problem(await client.get("/v1/models/toy/checkpoints", params={"after": -1}), 422)
 

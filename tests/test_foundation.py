@@ -262,3 +262,59 @@ def test_api_keys_with_no_key_in_them_are_refused(value: str) -> None:
 
     with pytest.raises(ValidationError, match="no key in it"):
         Settings(api_keys=value)
+
+
+async def test_a_missing_resource_is_named_as_given_at_its_path_parameter(serve) -> None:
+    """Every kind of 404 says which resource (`no run 'run_x'`) and, like a 422 names a body
+    field, has an `errors` entry naming the path parameter that named it."""
+    async with serve(worker_enabled=False) as live:
+        answers = {
+            f"{method} {url}": await live.client.request(method, url)
+            for method, url in [
+                ("GET", "/v1/training-jobs/job_x"),
+                ("POST", "/v1/training-jobs/job_x/cancel"),
+                ("GET", "/v1/training-jobs/job_x/events"),
+                ("GET", "/v1/rollout-jobs/job_y"),
+                ("POST", "/v1/rollout-jobs/job_y/cancel"),
+                ("GET", "/v1/runs/run_x"),
+                ("POST", "/v1/runs/run_x/cancel"),
+                ("POST", "/v1/runs/run_x/pause"),
+                ("GET", "/v1/runs/run_x/metrics"),
+                ("GET", "/v1/runs/run_x/events"),
+                ("GET", "/v1/models/agent_x"),
+                ("GET", "/v1/models/agent_x/checkpoints"),
+                ("GET", "/v1/datasets/ds_x"),
+                ("DELETE", "/v1/datasets/ds_x"),
+                ("GET", "/v1/webhooks/wh_x"),
+                ("GET", "/v1/webhooks/wh_x/deliveries"),
+                ("POST", "/v1/workers/wk_x/drain"),
+            ]
+        }
+    expected = {
+        "GET /v1/training-jobs/job_x": ("no training job 'job_x'", "job_id"),
+        "POST /v1/training-jobs/job_x/cancel": ("no training job 'job_x'", "job_id"),
+        "GET /v1/training-jobs/job_x/events": ("no training job 'job_x'", "job_id"),
+        "GET /v1/rollout-jobs/job_y": ("no rollout job 'job_y'", "job_id"),
+        "POST /v1/rollout-jobs/job_y/cancel": ("no rollout job 'job_y'", "job_id"),
+        "GET /v1/runs/run_x": ("no run 'run_x'", "run_id"),
+        "POST /v1/runs/run_x/cancel": ("no run 'run_x'", "run_id"),
+        "POST /v1/runs/run_x/pause": ("no run 'run_x'", "run_id"),
+        "GET /v1/runs/run_x/metrics": ("no run 'run_x'", "run_id"),
+        "GET /v1/runs/run_x/events": ("no run 'run_x'", "job_id"),
+        "GET /v1/models/agent_x": ("no model 'agent_x'", "name"),
+        "GET /v1/models/agent_x/checkpoints": ("no model 'agent_x'", "name"),
+        "GET /v1/datasets/ds_x": ("no dataset 'ds_x'", "dataset_id"),
+        "GET /v1/webhooks/wh_x": ("no webhook endpoint 'wh_x'", "endpoint_id"),
+        "GET /v1/webhooks/wh_x/deliveries": ("no webhook endpoint 'wh_x'", "endpoint_id"),
+        "POST /v1/workers/wk_x/drain": ("no live worker 'wk_x'", "worker_id"),
+        "DELETE /v1/datasets/ds_x": ("no dataset 'ds_x'", "dataset_id"),
+    }
+    for url, response in answers.items():
+        assert response.status_code == 404, (url, response.text)
+        assert response.headers["content-type"] == "application/problem+json"
+        problem = response.json()
+        detail, param = expected[url]
+        assert problem["detail"] == detail, (url, problem)
+        assert problem["errors"] == [
+            {"location": "path", "path": param, "message": detail, "type": "not_found"}
+        ], (url, problem)

@@ -518,3 +518,28 @@ async def test_an_sft_warm_up_runs_before_the_first_validation_and_rollout(serve
     # The baseline validates the warmed-up step (the warm-up made step 1 of the model).
     assert validations[0]["step"] == job["result"]["final_step"]
     assert validations[0]["data"]["score"] >= 0.5, validations
+
+
+async def test_cancelling_an_ended_run_or_job_says_which_and_how_it_ended(serve) -> None:
+    """The 409 reads alike for every kind: `run run_x already cancelled`, `job job_x
+    already cancelled`; so does a pause or resume of an ended run."""
+    async with serve(worker_enabled=False) as live:
+        dataset = await upload(live.client, toy_lines(2, 1))
+        run = (await live.client.post("/v1/runs", json=run_body(dataset["id"]))).json()["id"]
+        first = [await live.client.post(f"/v1/runs/{run}/cancel")]
+        job = (await submit(live.client, "demo")).json()["id"]  # the run no longer holds demo
+        first.append(await live.client.post(f"/v1/training-jobs/{job}/cancel"))
+        again = {
+            "run": await live.client.post(f"/v1/runs/{run}/cancel"),
+            "pause": await live.client.post(f"/v1/runs/{run}/pause"),
+            "resume": await live.client.post(f"/v1/runs/{run}/resume"),
+            "job": await live.client.post(f"/v1/training-jobs/{job}/cancel"),
+        }
+    assert [r.json()["status"] for r in first] == ["cancelled", "cancelled"], first
+    details = {name: (r.status_code, r.json()["detail"]) for name, r in again.items()}
+    assert details == {
+        "run": (409, f"run {run} already cancelled; it cannot be cancelled"),
+        "pause": (409, f"run {run} already cancelled; it cannot be paused"),
+        "resume": (409, f"run {run} already cancelled; it cannot be resumed"),
+        "job": (409, f"job {job} already cancelled; it cannot be cancelled"),
+    }

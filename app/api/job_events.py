@@ -83,7 +83,7 @@ def add_event_routes(router: APIRouter, kind: JobKind) -> None:
         ] = 0,
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     ) -> Page[JobEvent]:
-        await get_job(session, job_id, kind=kind)
+        await get_job(session, job_id, kind=kind, param="job_id")
         items, has_more = await event_service.list_events(session, job_id, after=after, limit=limit)
         return Page(
             data=items,
@@ -114,7 +114,7 @@ def add_event_routes(router: APIRouter, kind: JobKind) -> None:
         # Runs before the stream starts, so a bad job id is still a plain 404. Its own short
         # session: a request-scoped one would stay open for the whole stream.
         async with request.app.state.sessions() as session:
-            await get_job(session, job_id, kind=kind)
+            await get_job(session, job_id, kind=kind, param="job_id")
         # A reconnecting EventSource repeats its URL (with any ?after=) and sends the
         # header, which is the newer of the two.
         if last_event_id is not None:
@@ -144,7 +144,7 @@ async def _poll(
     # A short session per poll: nothing stays open while the stream waits.
     async with sessions() as session:
         items, _ = await event_service.list_events(session, job_id, after=cursor, limit=500)
-        return items, await get_job(session, job_id, kind=kind)
+        return items, await get_job(session, job_id, kind=kind, param="job_id")
 
 
 async def _events(

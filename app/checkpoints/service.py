@@ -47,6 +47,7 @@ from app.errors import (
     InvalidInputError,
     NotFoundError,
     UnavailableError,
+    not_found,
 )
 from app.jobs.lifecycle import JobKind, JobStatus
 from app.models import JobRow, ModelAliasRow, ModelRow, RetentionPolicyRow, RunMetricRow
@@ -151,10 +152,7 @@ async def _model(session: AsyncSession, name: str, *, lock: bool = False) -> Mod
         query = query.with_for_update()
     row = await session.scalar(query)
     if row is None:
-        raise NotFoundError(
-            f"no model named {name!r}",
-            errors=[_error("path", "name", "no such model", "not_found")],
-        )
+        raise not_found("model", name, param="name")
     return row
 
 
@@ -186,8 +184,9 @@ async def _locate(
     return place, await place.steps()
 
 
-def _missing_step(name: str, step: int) -> FieldError:
-    return _error("path", "step", f"model {name!r} has no checkpoint of step {step}", "not_found")
+def _missing_step(name: str, step: int) -> NotFoundError:
+    detail = f"model {name!r} has no checkpoint of step {step}"
+    return not_found("checkpoint", step, param="step", detail=detail)
 
 
 # -- what points at which step ------------------------------------------------------------
@@ -386,7 +385,7 @@ async def get_checkpoint(
     place, on_disk = await _locate(session, backends, name)
     described = await _describe(session, place, on_disk, [step]) if step in on_disk else []
     if not described:
-        raise NotFoundError(f"no checkpoint of step {step}", errors=[_missing_step(name, step)])
+        raise _missing_step(name, step)
     return described[0]
 
 
@@ -406,7 +405,7 @@ async def delete_checkpoint(
 ) -> None:
     place, on_disk = await _locate(session, backends, name, lock=True)
     if step not in on_disk:
-        raise NotFoundError(f"no checkpoint of step {step}", errors=[_missing_step(name, step)])
+        raise _missing_step(name, step)
     reasons = (await protected(session, place.row, on_disk)).get(step)
     if reasons:
         why = "; ".join(reason.message for reason in reasons)
@@ -485,10 +484,8 @@ async def delete_alias(session: AsyncSession, *, name: str, alias: str) -> None:
     await _model(session, name, lock=True)
     row = await session.get(ModelAliasRow, (name, alias))
     if row is None:
-        raise NotFoundError(
-            f"model {name!r} has no alias `{alias}`",
-            errors=[_error("path", "alias", "no such alias", "not_found")],
-        )
+        detail = f"model {name!r} has no alias {alias!r}"
+        raise not_found("alias", alias, param="alias", detail=detail)
     await session.delete(row)
     await session.flush()
 
@@ -640,10 +637,10 @@ async def export(
     `model_roots`)."""
     place, on_disk = await _locate(session, backends, name)
     if step not in on_disk:
-        raise NotFoundError(f"no checkpoint of step {step}", errors=[_missing_step(name, step)])
+        raise _missing_step(name, step)
     local = await place.local(step, on_disk[step])
     if local is None:  # deleted meanwhile
-        raise NotFoundError(f"no checkpoint of step {step}", errors=[_missing_step(name, step)])
+        raise _missing_step(name, step)
     files = await asyncio.to_thread(disk.open_adapter, local)
     if files is None:
         raise NoAdapterError(

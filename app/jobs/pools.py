@@ -20,7 +20,7 @@ from typing import Any
 from sqlalchemy import func, select, update
 
 from app.db import utcnow
-from app.errors import NotFoundError
+from app.errors import not_found
 from app.jobs.events import Executor
 from app.jobs.lifecycle import JobKind, JobStatus
 from app.jobs.statements import jobs, models, workers
@@ -204,7 +204,7 @@ async def request_drain(executor: Executor, worker_id: str, *, lease_seconds: fl
     for worker in await list_workers(executor, lease_seconds=lease_seconds):
         if worker.id == worker_id:
             return worker
-    raise NotFoundError(f"no live worker {worker_id!r}")
+    raise not_found("live worker", worker_id, param="worker_id")
 
 
 async def queue_by_pool(executor: Executor) -> dict[tuple[str, str], int]:

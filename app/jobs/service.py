@@ -13,7 +13,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.db import Reader, begin_write
-from app.errors import ConflictError, InvalidInputError, NotFoundError, field_errors
+from app.errors import ConflictError, InvalidInputError, NotFoundError, field_errors, not_found
 from app.jobs.lifecycle import JobKind, JobStatus, NewJob
 from app.jobs.store import enqueue, request_cancel
 from app.models import JobRow
@@ -23,15 +23,31 @@ from app.schemas.jobs import JobError, JobProgress
 T = TypeVar("T")
 
 
+def job_noun(kind: JobKind) -> str:
+    """How messages name a job of `kind`: `run`, `training job`, `rollout job`."""
+    return "run" if kind is JobKind.run else f"{kind.value} job"
+
+
+def missing_job(kind: JobKind, job_id: str, param: str | None = None) -> NotFoundError:
+    """`no run 'run_x'`, at the path parameter that named it (`run_id` or `job_id`)."""
+    default = "run_id" if kind is JobKind.run else "job_id"
+    return not_found(job_noun(kind), job_id, param=param or default)
+
+
 async def get_job(
-    session: AsyncSession, job_id: str, *, kind: JobKind, for_update: bool = False
+    session: AsyncSession,
+    job_id: str,
+    *,
+    kind: JobKind,
+    for_update: bool = False,
+    param: str | None = None,
 ) -> JobRow:
     query = select(JobRow).where(JobRow.id == job_id, JobRow.kind == kind.value)
     if for_update:
         query = query.with_for_update()
     job = await session.scalar(query)
     if job is None:
-        raise NotFoundError(f"no {kind.value} job {job_id!r}")
+        raise missing_job(kind, job_id, param)
     return job
 
 
@@ -85,7 +101,7 @@ async def read_job(reader: Reader, job_id: str, *, kind: JobKind) -> JobView:
     event loop, never waiting for a lock)."""
     row = await reader.row(_READ_JOB, {"id": job_id, "kind": kind.value})
     if row is None:
-        raise NotFoundError(f"no {kind.value} job {job_id!r}")
+        raise missing_job(kind, job_id)
     return JobView(*row)
 
 
@@ -162,7 +178,10 @@ async def cancel_job(session: AsyncSession, job_id: str, *, kind: JobKind) -> Jo
     job = await get_job(session, job_id, kind=kind, for_update=True)
     status = JobStatus(job.status)
     if status.is_final:
-        raise ConflictError(f"job {job_id} already {status.value}; it cannot be cancelled")
+        raise ConflictError(
+            f"{'run' if kind is JobKind.run else 'job'} {job_id} already {status.value}; "
+            "it cannot be cancelled"
+        )
     await request_cancel(session, job)
     return job
 

@@ -12,7 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from app.backends import SPECS
 from app.backends.cpu import base_model_refusal
 from app.db import begin_write
-from app.errors import ConflictError, InvalidInputError, NotFoundError, field_errors
+from app.errors import ConflictError, InvalidInputError, field_errors, not_found
 from app.gateway import PREFIX as GATEWAY_PREFIX
 from app.gateway import served_names
 from app.models import ModelRow
@@ -115,7 +115,7 @@ async def create_model(
 async def get_model(session: AsyncSession, *, name: str) -> Model:
     row = await session.get(ModelRow, name)
     if row is None:
-        raise NotFoundError(f"no model named {name!r}")
+        raise not_found("model", name, param="name")
     return to_wire(row)
 
 

@@ -23,12 +23,12 @@ from app.backends import SPECS
 from app.datasets import decode_splits, get_dataset
 from app.db import Reader, begin_write, utcnow
 from app.egress import EgressPolicy
-from app.errors import ConflictError, InvalidInputError, NotFoundError, field_errors
+from app.errors import ConflictError, InvalidInputError, field_errors
 from app.jobs.exclusive import ensure_model_free
 from app.jobs.lifecycle import JobKind, JobStatus, RunTransitionError, plan_pause, run_status
 from app.jobs.payloads import Payload
 from app.jobs.runs import apply_pause
-from app.jobs.service import enqueue_once, get_job, replay
+from app.jobs.service import enqueue_once, get_job, missing_job, replay
 from app.jobs.store import new_job
 from app.models import JobRow, ModelRow, RunMetricRow, RunRow
 from app.runs import spec
@@ -266,7 +266,7 @@ async def read_run(reader: Reader, run_id: str) -> tuple[JobRow, RunRow]:
         .where(JobRow.id == run_id, JobRow.kind == RUN.value)
     )
     if row is None:
-        raise NotFoundError(f"no run job {run_id!r}")
+        raise missing_job(RUN, run_id)
     return row[0], row[1]
 
 
@@ -275,6 +275,9 @@ async def set_paused(session: AsyncSession, run_id: str, *, paused: bool) -> tup
     await begin_write(session)
     job, run = await get_run(session, run_id, for_update=True)
     current = run_status(JobStatus(job.status), run.paused)
+    if current.is_final:  # as a cancel says it: `run run_x already succeeded; ...`
+        verb = "paused" if paused else "resumed"
+        raise ConflictError(f"run {run_id} already {current.value}; it cannot be {verb}")
     try:
         write = plan_pause(current, paused=paused, step=decode_state(run.state).step)
     except RunTransitionError as exc:

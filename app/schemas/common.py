@@ -135,7 +135,7 @@ def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     descriptions = {
         400: "Bad request",
         401: "Missing or invalid API key",
-        404: "Not found",
+        404: "Not found; `errors` names the path parameter that named what is missing",
         409: "Conflict with the current state",
         413: "Request body too large",
         422: "Validation failed; `errors` lists each failing field",

@@ -14,7 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.db import begin_write, utcnow
 from app.egress import EgressPolicy
-from app.errors import ConflictError, InvalidInputError, NotFoundError
+from app.errors import ConflictError, InvalidInputError, not_found
 from app.jobs.outbox import PENDING, TEST_EVENT, subscriptions
 from app.models import WebhookAttemptRow, WebhookDeliveryRow, WebhookEndpointRow
 from app.schemas.common import FieldError
@@ -131,7 +131,7 @@ async def create_endpoint(
 async def get_endpoint(session: AsyncSession, endpoint_id: str) -> WebhookEndpointRow:
     row = await session.get(WebhookEndpointRow, endpoint_id)
     if row is None:
-        raise NotFoundError(f"no webhook endpoint {endpoint_id!r}")
+        raise not_found("webhook endpoint", endpoint_id, param="endpoint_id")
     return row
 
 
@@ -216,7 +216,7 @@ async def rotate_secret(
     version = (await session.execute(rotate)).scalar_one_or_none()
     row = await session.get(WebhookEndpointRow, endpoint_id, populate_existing=True)
     if row is None:
-        raise NotFoundError(f"no webhook endpoint {endpoint_id!r}")
+        raise not_found("webhook endpoint", endpoint_id, param="endpoint_id")
     if version is None:
         raise ConflictError(
             f"the endpoint's secret is at version {row.secret_version}, not "
