@@ -195,7 +195,14 @@ async def test_agent_rollout_runs_the_agents_own_episode(serve, tiny_model) -> N
             "examples[0].expected",
         ),
         ({"examples": [{"id": 1, "messages": []}]}, "examples[0].messages"),
-        ({"examples": [{"id": 1, "messages": [{"role": "robot", "content": "x"}]}]}, "examples[0]"),
+        (
+            {"examples": [{"id": 1, "messages": [{"role": "robot", "content": "x"}]}]},
+            "examples[0].messages[0].role",
+        ),
+        (
+            {"examples": [{"id": 1, "messages": [{"role": "user"}, {"content": "x"}]}]},
+            "examples[0].messages[1].role",
+        ),
         ({"agent": {"url": "http://127.0.0.1:9/x"}}, ""),
         ({"num_generations": 0}, "num_generations"),
         ({"grader": {"type": "telepathy"}}, "grader"),

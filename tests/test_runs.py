@@ -168,7 +168,10 @@ async def test_a_run_lifts_validation_reward_keeps_the_best_and_prunes_the_rest(
 @pytest.mark.parametrize(
     ("line", "path"),
     [
-        (b'{"id": 1, "messages": [{"role": "robot", "content": "x"}]}', "line[2]"),
+        (
+            b'{"id": 1, "messages": [{"role": "user"}, {"role": "robot", "content": "x"}]}',
+            "line[2].messages[1].role",
+        ),
         (b'{"id": 1, "messages": []}', "line[2].messages"),
         (b'{"id": 1, "messages": [{"role": "user"}], "split": "a b"}', "line[2].split"),
         (b'{"id": 1, "messages": [{"role": "user"}], "x": 1}', "line[2].x"),

@@ -267,6 +267,18 @@ async def test_bad_sft_and_dpo_bodies_name_each_field_and_store_nothing(serve, t
             }
         )
         assert paths == ["pairs[1]"]  # the body first; the keywords once it is valid
+        # A message's bad role is refused at its own path, in an SFT example or a DPO prompt.
+        robot = {"role": "robot", "content": "hi"}
+        assert await refused(
+            {
+                "model": "cpu-model",
+                "method": "sft",
+                "examples": [chat("a", "b"), {"messages": [robot, *chat("a", "b")["messages"]]}],
+            }
+        ) == ["examples[1].messages[0].role"]
+        assert await refused(
+            {"model": "cpu-model", "method": "dpo", "pairs": [pair, {**pair, "prompt": [robot]}]}
+        ) == ["pairs[1].prompt[0].role"]
         assert await refused(
             {
                 "model": "cpu-model",

@@ -25,7 +25,7 @@ from app.schemas.graders import (
 )
 from app.schemas.jobs import WAITING_FOR, JobError, JobProgress
 from app.schemas.pieces import EACH, Piece
-from app.schemas.supervised import ROLES
+from app.schemas.supervised import PromptMessage
 
 
 class Example(BaseModel):
@@ -36,21 +36,13 @@ class Example(BaseModel):
     id: Annotated[str, Field(pattern=NO_NUL)] | int = Field(
         description="Your id for the example; unique in the job."
     )
-    messages: Annotated[list[dict[str, Any]], AfterValidator(plain_json)] = Field(
+    messages: Annotated[list[PromptMessage], AfterValidator(plain_json)] = Field(
         min_length=1, description="OpenAI-shaped chat messages: the prompt."
     )
     expected: Annotated[Any, AfterValidator(plain_json)] = Field(
         default=None, description="The reference answer graders compare to."
     )
     metadata: JsonObject = Field(default_factory=dict)
-
-    @model_validator(mode="after")
-    def _roles(self) -> Example:
-        for i, message in enumerate(self.messages):
-            role = message.get("role")
-            if not isinstance(role, str) or role not in ROLES:
-                raise ValueError(f"messages[{i}].role must be one of {sorted(ROLES)}")
-        return self
 
 
 class Sampling(BaseModel):

@@ -11,14 +11,35 @@ kind, one lifecycle, one model step per job); the body's `method` says which sha
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NotRequired
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator, with_config
+from typing_extensions import TypedDict
 
 from app.schemas.common import NO_NUL, JsonObject, plain_json
 
+Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 """The roles of an OpenAI chat message."""
+
+
+@with_config(ConfigDict(extra="allow"))
+class PromptMessage(TypedDict):
+    """An OpenAI chat message of a prompt: its `role` checked (a bad one is refused at
+    `…messages[j].role`), the rest (content parts, `tool_calls`, `name`) kept as sent."""
+
+    role: Role
+    content: NotRequired[Any]
+
+
+@with_config(ConfigDict(extra="allow"))
+class ChatMessage(TypedDict):
+    """An OpenAI chat message to train on: its `role` checked, its `content` text (or null
+    with `tool_calls`); other keys kept as sent."""
+
+    role: Role
+    content: NotRequired[str | None]
+
 
 Method = Literal["rl", "sft", "dpo"]
 METHODS: tuple[str, ...] = ("rl", "sft", "dpo")
@@ -28,17 +49,8 @@ METHODS: tuple[str, ...] = ("rl", "sft", "dpo")
 MAX_EXAMPLES = 10_000
 """Examples (or pairs) one SFT (or DPO) job trains on: one model step."""
 
-Messages = Annotated[list[dict[str, Any]], AfterValidator(plain_json)]
-
-
-def _roles(messages: list[dict[str, Any]]) -> None:
-    for i, message in enumerate(messages):
-        role = message.get("role")
-        if not isinstance(role, str) or role not in ROLES:
-            raise ValueError(f"messages[{i}].role must be one of {sorted(ROLES)}")
-        content = message.get("content")
-        if content is not None and not isinstance(content, str):
-            raise ValueError(f"messages[{i}].content must be text (or null with tool_calls)")
+Messages = Annotated[list[ChatMessage], AfterValidator(plain_json)]
+"""Chat messages; a bad role or content is refused at its own path (`messages[j].role`)."""
 
 
 class SftExample(BaseModel):
@@ -57,7 +69,6 @@ class SftExample(BaseModel):
 
     @model_validator(mode="after")
     def _a_target(self) -> SftExample:
-        _roles(self.messages)
         if not any(m.get("role") == "assistant" and m.get("content") for m in self.messages):
             raise ValueError("no assistant turn with content: nothing to learn from this example")
         return self
@@ -135,7 +146,6 @@ class PreferencePair(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> PreferencePair:
-        _roles(self.prompt)
         if self.chosen == self.rejected:
             raise ValueError("`chosen` and `rejected` are the same answer: nothing to prefer")
         return self
