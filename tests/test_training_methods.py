@@ -294,6 +294,11 @@ async def test_bad_sft_and_dpo_bodies_name_each_field_and_store_nothing(serve, t
         assert await refused({"model": "cpu-model", "method": "dpo", "collection": collection}) == [
             "collection.trajectories[0][3].episode[0].rejected_response"
         ]
+        collection = nat_dpo_collection()
+        collection["trajectories"][0][1]["episode"][0]["prompt"][0]["role"] = "robot"
+        assert await refused({"model": "cpu-model", "method": "dpo", "collection": collection}) == [
+            "collection.trajectories[0][1].episode[0].prompt[0].role"
+        ]
         response = await live.client.post(
             "/v1/training-jobs", json={"model": "dry", "method": "dpo", "pairs": [pair]}
         )

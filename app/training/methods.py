@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from app.ingest import jsontext
 from app.jobs.payloads import Codec, Payload
 from app.schemas.supervised import (
+    ROLES,
     DpoJobCreate,
     DpoSummary,
     NatDpoCollection,
@@ -132,8 +133,8 @@ def nat_pairs(collection: NatDpoCollection) -> list[dict[str, Any]]:
 
 
 def dpo_problems(body: DpoJobCreate) -> list[dict[str, Any]]:
-    """What the pydantic models cannot say of a NAT collection: it holds no pair, or a
-    pair whose answers are the same (each at its path)."""
+    """What the pydantic models cannot say of a NAT collection: it holds no pair, a pair
+    whose answers are the same, or a prompt message of no OpenAI role (each at its path)."""
     if body.collection is None:
         return []
     errors: list[dict[str, Any]] = []
@@ -154,6 +155,16 @@ def dpo_problems(body: DpoJobCreate) -> list[dict[str, Any]]:
                 if isinstance(item.prompt, list) and not item.prompt:
                     loc = ("collection", "trajectories", g, t, "episode", i, "prompt")
                     errors.append({"loc": loc, "msg": "an empty prompt", "type": "too_short"})
+                for j, message in enumerate(item.prompt if isinstance(item.prompt, list) else ()):
+                    if message.role not in ROLES:  # as a plain pair's prompt is refused
+                        at = ("collection", "trajectories", g, t, "episode", i, "prompt", j)
+                        errors.append(
+                            {
+                                "loc": (*at, "role"),
+                                "msg": f"Input should be one of {', '.join(sorted(ROLES))}",
+                                "type": "literal_error",
+                            }
+                        )
     if count == 0:
         errors.append(
             {
