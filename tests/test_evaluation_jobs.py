@@ -345,3 +345,35 @@ async def test_a_worker_killed_mid_job_is_retried_without_a_row_twice(
 async def _final(client: httpx.AsyncClient, url: str) -> dict | None:
     job = (await client.get(url)).json()
     return job if job["status"] in {"succeeded", "failed", "cancelled"} else None
+
+
+async def test_the_cli_submits_watches_and_shows_an_evaluation(serve, tiny_model, tmp_path) -> None:
+    from tests.test_client_cli import run_cli
+
+    body = {
+        "model": "toy@latest",
+        "examples": EXAMPLES[:2],
+        "grader": {"type": "contains"},
+        "samples_per_example": 2,
+        "sampling": SAMPLING,
+    }
+    job_file = tmp_path / "evaluation.json"
+    job_file.write_text(json.dumps(body))
+    async with serve(worker_enabled=True) as live:
+        await cpu_model(live.client, tiny_model)
+
+        def cli(*args: str) -> Any:
+            return run_cli("--json", *args, url=live.url)
+
+        submitted = await asyncio.to_thread(cli, "submit", str(job_file), "--watch")
+        job_id = submitted.json_lines()[0]["job_id"]
+        shown = await asyncio.to_thread(cli, "jobs", "get", job_id)
+        results = await asyncio.to_thread(cli, "evaluations", "results", job_id)
+        summary = await asyncio.to_thread(cli, "evaluations", "summary", job_id)
+        compared = await asyncio.to_thread(cli, "evaluations", "compare", job_id, job_id)
+    assert submitted.code == 0, submitted.err
+    assert json.loads(shown.out)["summary"]["step"] == 0  # found by its id alone
+    assert len(json.loads(results.out)["data"]) == 4
+    assert json.loads(summary.out)["num_examples"] == 2
+    comparison = json.loads(compared.out)
+    assert comparison["losses"] == comparison["wins"] == 0  # a job against itself
