@@ -80,6 +80,9 @@ POSITIVE_DATA_ACCEPTANCE_OFF = {
     # be an example (a JSON Lines body is a string to the schema).
     "runs-create",
     "datasets-upload",
+    # An evaluation's model must exist and sample, its step or alias too; a dataset's name
+    # must name one, with the split.
+    "evaluation_jobs-create",
 }
 
 
@@ -391,7 +394,7 @@ def seed_checkpoints(client: httpx.Client, data_dir: Path) -> None:
 
 
 def cancel_unfinished(client: httpx.Client) -> None:
-    for kind in ("runs", "training-jobs", "rollout-jobs"):
+    for kind in ("runs", "training-jobs", "rollout-jobs", "evaluation-jobs"):
         for status in ("running", "queued"):
             page = client.get(f"/v1/{kind}", params={"status": status, "limit": 100}).json()
             for job in page["data"]:
