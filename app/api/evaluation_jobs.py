@@ -29,6 +29,13 @@ router = APIRouter(
 )
 EVALUATION = JobKind.evaluation
 READING = Reading(EvaluationJobCreate, service.prepare, EVALUATION_PIECES, limits)
+ResultCursor = Annotated[
+    str | None,
+    Query(
+        pattern=r"^[0-9]{1,9}\.[0-9]{1,9}$",  # within a 32-bit integer each
+        description="`next_cursor` of the previous page (`<example>.<sample>`)",
+    ),
+]
 JobRef = Annotated[str, Query(pattern=NO_NUL, max_length=64, description="An evaluation job.")]
 
 
@@ -124,7 +131,7 @@ async def get(job_id: JobId, request: Request, reader: Reads) -> EvaluationJob:
 async def list_results(
     job_id: JobId,
     reader: Reads,
-    after: Cursor = None,
+    after: ResultCursor = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 100,
 ) -> Page[EvaluationResult]:
     await jobs_service.read_job(reader, job_id, kind=EVALUATION)  # 404 for an unknown job

@@ -10,6 +10,7 @@ without adding a row, and its runner skips the examples already complete.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -67,8 +68,7 @@ def cursor_of(example: int, sample: int) -> str:
 def _after(cursor: str | None) -> tuple[int, int] | None:
     if cursor is None:
         return None
-    example, dot, sample = cursor.partition(".")
-    if not (dot and example.isdigit() and sample.isdigit() and len(cursor) <= 24):
+    if not re.fullmatch(r"[0-9]{1,9}\.[0-9]{1,9}", cursor):  # each within 32 bits
         raise InvalidInputError(
             "bad cursor",
             errors=field_errors(
@@ -81,6 +81,7 @@ def _after(cursor: str | None) -> tuple[int, int] | None:
                 ]
             ),
         )
+    example, _, sample = cursor.partition(".")
     return int(example), int(sample)
 
 

@@ -56,8 +56,14 @@ class EvaluationJobCreate(BaseModel):
         json_schema_extra={
             "examples": [
                 {
-                    "model": "agent-7b@3",
-                    "dataset": {"name": "arithmetic", "split": "validation"},
+                    "model": "agent-7b@latest",
+                    "examples": [
+                        {
+                            "id": "q1",
+                            "messages": [{"role": "user", "content": "What is 2+2?"}],
+                            "expected": "4",
+                        }
+                    ],
                     "grader": {"type": "numeric"},
                     "samples_per_example": 4,
                     "sampling": {"temperature": 0.7, "max_tokens": 64},
