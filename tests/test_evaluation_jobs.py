@@ -193,14 +193,6 @@ async def test_the_step_is_fixed_when_accepted_and_two_steps_compare(serve, tiny
         reports = [
             (await client.get(f"/v1/evaluation-jobs/{j['id']}/summary")).json() for j in jobs
         ]
-        # A step whose checkpoint is gone cannot be sampled: refused when submitted.
-        deleted = await client.delete("/v1/models/toy/checkpoints/0")
-        gone = await client.post(
-            "/v1/evaluation-jobs",
-            json={"model": "toy@0", "examples": EXAMPLES, "grader": {"type": "contains"}},
-        )
-    assert deleted.status_code == 204, deleted.text
-    assert gone.status_code == 404 and _paths(gone) == ["model"], gone.text
     assert [j["status"] for j in jobs] == ["succeeded", "succeeded"]
     assert [j["summary"]["step"] for j in jobs] == [0, 1]
     assert jobs[0]["summary"]["examples_sha256"] == jobs[1]["summary"]["examples_sha256"]

@@ -13,10 +13,10 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.backends import SPECS, Backends
-from app.checkpoints.service import get_checkpoint, resolve_alias
+from app.checkpoints.service import resolve_alias
 from app.datasets import decode_splits
 from app.db import begin_write
-from app.errors import ConflictError, InvalidInputError, NotFoundError, field_errors
+from app.errors import InvalidInputError, NotFoundError, field_errors
 from app.evaluations import spec
 from app.gateway import LATEST, MAX_STEP
 from app.jobs.lifecycle import JobKind
@@ -88,8 +88,6 @@ async def _step(session: AsyncSession, backends: Backends, requested: str) -> tu
             raise NotFoundError(
                 msg, errors=field_errors([_problem(("model",), msg, "unknown_step")])
             )
-        if step < row.current_step:
-            await _on_disk(session, backends, row.name, step)
         return row, step
     aliased = None
     if re.fullmatch(ALIAS_PATTERN, selector):
@@ -98,20 +96,6 @@ async def _step(session: AsyncSession, backends: Backends, requested: str) -> tu
         msg = f"{name!r} has no alias {selector!r}; after `@` give a step, `latest` or an alias"
         raise NotFoundError(msg, errors=field_errors([_problem(("model",), msg, "unknown_alias")]))
     return row, aliased
-
-
-async def _on_disk(session: AsyncSession, backends: Backends, name: str, step: int) -> None:
-    """404 naming `model` when an earlier step's checkpoint is gone (retention, a delete):
-    it could not be sampled. A backend whose checkpoints are not listed here is trusted."""
-    try:
-        await get_checkpoint(session, backends, name=name, step=step)
-    except NotFoundError:
-        msg = f"{name!r} has no checkpoint of step {step} (deleted, or never kept)"
-        raise NotFoundError(
-            msg, errors=field_errors([_problem(("model",), msg, "unknown_step")])
-        ) from None
-    except ConflictError:
-        pass
 
 
 async def _examples(
