@@ -8,6 +8,7 @@ from typing import Any
 from sqlalchemy import (
     Boolean,
     CheckConstraint,
+    Float,
     ForeignKey,
     Index,
     Integer,
@@ -390,4 +391,21 @@ class TinkerSamplerRow(Base):
     sampler_id: Mapped[str] = mapped_column(String(64), primary_key=True)
     base_model: Mapped[str] = mapped_column(Text)
     model_path: Mapped[str | None] = mapped_column(String(300))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class EvaluationResultRow(Base):
+    """One scored answer of an evaluation job: the `sample`-th answer to the `example`-th
+    example it evaluates (`app.evaluations`). Its key is the answer's place, so a retried
+    job writing an answer again adds nothing (the write ignores a row already there)."""
+
+    __tablename__ = "evaluation_results"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    example: Mapped[int] = mapped_column(Integer, primary_key=True)  # index in the job's examples
+    sample: Mapped[int] = mapped_column(Integer, primary_key=True)
+    example_id: Mapped[str] = mapped_column(String(200))  # the example's own id, as text
+    answer: Mapped[str | None] = mapped_column(Text)
+    score: Mapped[float | None] = mapped_column(Float)
+    error: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)

@@ -19,6 +19,7 @@ from app import __version__
 from app.backends import SPECS, Backends, load_training_stack, loadable_backends
 from app.backends.base import ModelSpec
 from app.db import is_unavailable
+from app.evaluations.runner import RUNNER as EVALUATION
 from app.jobs import pools
 from app.jobs.lifecycle import Cancelled, ErrorInfo, JobKind, JobStatus, Recovered, Released
 from app.jobs.pools import Capabilities
@@ -36,7 +37,11 @@ from app.webhooks.sender import WebhookSender
 log = logging.getLogger(__name__)
 BACKEND_TIMEOUT = 30.0  # seconds the loop waits on a backend before moving on
 SERVE_RETRY_SECONDS = 30.0
-RUNNERS: Mapping[JobKind, KindRunner] = {JobKind.training: TRAINING, JobKind.rollout: ROLLOUT}
+RUNNERS: Mapping[JobKind, KindRunner] = {
+    JobKind.training: TRAINING,
+    JobKind.rollout: ROLLOUT,
+    JobKind.evaluation: EVALUATION,
+}
 
 
 def capabilities_of(settings: Settings) -> Capabilities:

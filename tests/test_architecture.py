@@ -49,6 +49,11 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "app.checkpoints",
             "app.training",
             "app.rollouts",
+            # Units of their own: rollouts score with `scoring`, which reads the graders;
+            # evaluations sample with rollouts' client (no loop between the packages).
+            "app.rollouts.graders",
+            "app.evaluations",
+            "app.evaluations.scoring",
             "app.runs",
             "app.webhooks",
             "app.gateway",

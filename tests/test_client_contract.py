@@ -215,9 +215,12 @@ def _resolved_return(resource: type, function: Any) -> Any:
     returned = hints["return"]
     if returned is type(None):
         return None
-    job_type = {"training": m.TrainingJob, "rollout": m.RolloutJob, "run": m.Run}.get(
-        getattr(resource, "kind", "")
-    )
+    job_type = {
+        "training": m.TrainingJob,
+        "rollout": m.RolloutJob,
+        "evaluation": m.EvaluationJob,
+        "run": m.Run,
+    }.get(getattr(resource, "kind", ""))
     if isinstance(returned, TypeVar):
         return job_type
     if get_origin(returned) is None and getattr(returned, "__pydantic_generic_metadata__", None):

@@ -223,6 +223,27 @@ def _every_operation(url: str, tiny: Path, workdir: Path) -> set[str]:
         with pytest.raises(ConflictError):
             client.rollout_jobs.cancel(rollout.id)
 
+        grader = {"type": "contains"}
+        before, after = (
+            client.evaluations.create(
+                model=f"toy@{step}", examples=EXAMPLES, grader=grader, sampling={"max_tokens": 1}
+            )
+            for step in (0, 1)
+        )
+        evaluated = [client.evaluations.wait(j.id, timeout=60) for j in (before, after)]
+        assert [e.status for e in evaluated] == ["succeeded", "succeeded"], evaluated
+        assert [e.summary.step for e in evaluated] == [0, 1]
+        answers = client.evaluations.results(after.id, limit=1)
+        assert answers.has_more and answers.data[0].example == 0
+        assert client.evaluations.summary(after.id).num_examples == len(EXAMPLES)
+        compared = client.evaluations.compare(before.id, after.id)
+        assert (compared.a_step, compared.b_step) == (0, 1)
+        assert [e.id for e in client.evaluations.list(model="toy").data] == [after.id, before.id]
+        assert client.evaluations.list_events(after.id).data[0].type == "job_queued"
+        assert list(client.evaluations.events(after.id))[-1].type == "evaluation_ended"
+        with pytest.raises(ConflictError):
+            client.evaluations.cancel(after.id)
+
         lines = [{"id": f"t{i}", "messages": PROMPT, "expected": "yes"} for i in range(2)]
         lines.append({"id": "v", "messages": PROMPT, "expected": "yes", "split": "validation"})
         dataset = client.datasets.upload("sdk-set", lines)

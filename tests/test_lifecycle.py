@@ -57,9 +57,10 @@ def test_final_statuses_go_nowhere_and_every_status_is_listed() -> None:
 
 def test_each_kind_has_its_own_closed_vocabulary() -> None:
     training, rollout = events_of(JobKind.training), events_of(JobKind.rollout)
-    run = events_of(JobKind.run)
+    run, evaluation = events_of(JobKind.run), events_of(JobKind.evaluation)
     assert training & rollout == training & run == rollout & run == COMMON_EVENTS
-    assert training | rollout | run == set(EventType)
+    assert evaluation & training == evaluation & rollout == evaluation & run == COMMON_EVENTS
+    assert training | rollout | run | evaluation == set(EventType)
     assert all(e.value.startswith("run_") for e in run - COMMON_EVENTS)
     assert not any(e.value.startswith("training_") for e in rollout)
     assert not any(e.value.startswith("rollout_") for e in training)

@@ -80,6 +80,9 @@ POSITIVE_DATA_ACCEPTANCE_OFF = {
     # be an example (a JSON Lines body is a string to the schema).
     "runs-create",
     "datasets-upload",
+    # An evaluation's model must exist and sample, its step or alias too; a dataset's name
+    # must name one, with the split.
+    "evaluation_jobs-create",
 }
 
 
@@ -206,6 +209,7 @@ class Seeded:
     models: list[str] = field(default_factory=list)
     training_jobs: list[str] = field(default_factory=list)
     rollout_jobs: list[str] = field(default_factory=list)
+    evaluation_jobs: list[str] = field(default_factory=list)
     runs: list[str] = field(default_factory=list)
     datasets: list[str] = field(default_factory=list)
     webhooks: list[str] = field(default_factory=list)
@@ -320,6 +324,33 @@ def seed(client: httpx.Client, data_dir: Path) -> Seeded:
 
     ended = run("fuzz-runs")
     assert _wait(client, ended, FINAL)["status"] == "succeeded"
+    # Two evaluations of the same examples, succeeded: answers to page, a pair to compare.
+    for step in ("fuzz-runs@0", "fuzz-runs"):
+        evaluation = client.post(
+            "/v1/evaluation-jobs",
+            json={
+                "model": step,
+                "dataset": {"id": upload.json()["id"], "split": "validation"},
+                "grader": {"type": "exact_match"},
+                "samples_per_example": 2,
+                "sampling": {"max_tokens": 1},
+            },
+        )
+        assert evaluation.status_code == 202, evaluation.text
+        seeded.evaluation_jobs.append(evaluation.json()["id"])
+        location = evaluation.headers["location"]
+        assert _wait(client, location, FINAL)["status"] == "succeeded"
+    # And one that waits behind `held` (one job per model): one to cancel.
+    waiting = client.post(
+        "/v1/evaluation-jobs",
+        json={
+            "model": "fuzz-served",
+            "examples": [{"id": 1, "messages": [{"role": "user", "content": "yes?"}]}],
+            "grader": {"type": "regex", "pattern": "yes"},
+        },
+    )
+    assert waiting.status_code == 202, waiting.text
+    seeded.evaluation_jobs.append(waiting.json()["id"])
     # Long runs that stay: one paused (the fuzzer pauses and resumes them), and the one the
     # fuzzer may cancel (last).
     # (on a model of its own: `fuzz-runs` stays free for the runs the fuzzer submits)
@@ -351,6 +382,7 @@ def seed(client: httpx.Client, data_dir: Path) -> Seeded:
         ("/v1/training-jobs", "fuzz-dry"),
         ("/v1/rollout-jobs", "fuzz-sampled"),  # it trains: a model no run owns
         ("/v1/runs", "demo"),
+        ("/v1/evaluation-jobs", "fuzz-runs"),
     ]:
         ref = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]
         # A body of several shapes (a training job's, by `method`): its first, the default.
@@ -364,6 +396,8 @@ def seed(client: httpx.Client, data_dir: Path) -> Seeded:
             seeded.models.append(created["name"])
         elif path == "/v1/training-jobs":
             seeded.training_jobs.append(created["id"])
+        elif path == "/v1/evaluation-jobs":
+            seeded.evaluation_jobs.append(created["id"])
         elif path == "/v1/runs":
             seeded.runs.insert(0, created["id"])
             # Ended, so `demo` takes the fuzzer's own run of the example (one run per model).
@@ -391,7 +425,7 @@ def seed_checkpoints(client: httpx.Client, data_dir: Path) -> None:
 
 
 def cancel_unfinished(client: httpx.Client) -> None:
-    for kind in ("runs", "training-jobs", "rollout-jobs"):
+    for kind in ("runs", "training-jobs", "rollout-jobs", "evaluation-jobs"):
         for status in ("running", "queued"):
             page = client.get(f"/v1/{kind}", params={"status": status, "limit": 100}).json()
             for job in page["data"]:
@@ -485,6 +519,15 @@ def schemathesis_config(seeded: Seeded) -> dict[str, Any]:
             "parameters": {"path.job_id": {"dictionary": "rollout_jobs", "probability": 0.5}},
         },
         {
+            "include-tag": "evaluation_jobs",
+            "parameters": {
+                "path.job_id": {"dictionary": "evaluation_jobs", "probability": 0.5},
+                "body.model": {"dictionary": "models", "probability": 0.5},
+                "query.a": {"dictionary": "evaluations_compared", "probability": 0.5},
+                "query.b": {"dictionary": "evaluations_compared", "probability": 0.5},
+            },
+        },
+        {
             # Cancel only the run seeded for it: the others stay running to pause and resume.
             "include-operation-id": "runs-cancel",
             "parameters": {"path.run_id": {"dictionary": "run_to_cancel", "probability": 0.5}},
@@ -535,6 +578,8 @@ def schemathesis_config(seeded: Seeded) -> dict[str, Any]:
             "models": {"values": seeded.models},
             "training_jobs": {"values": seeded.training_jobs},
             "rollout_jobs": {"values": seeded.rollout_jobs},
+            "evaluation_jobs": {"values": seeded.evaluation_jobs},
+            "evaluations_compared": {"values": seeded.evaluation_jobs[:2]},
             "runs": {"values": seeded.runs},
             "run_to_cancel": {"values": seeded.runs[-1:]},
             "datasets": {"values": seeded.datasets},

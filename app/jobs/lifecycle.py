@@ -29,6 +29,8 @@ from typing import Any, TypeAlias, TypedDict
 class JobKind(enum.StrEnum):
     training = "training"
     rollout = "rollout"
+    # Sample a fixed step and score the answers, training nothing (`app.evaluations`).
+    evaluation = "evaluation"
     # A training run: a schedule of rollout, training and validation jobs (`app.runs`).
     # Its row holds no lease and no model slot: a driver advances it between its children.
     run = "run"
@@ -84,6 +86,11 @@ class EventType(enum.StrEnum):
     rollout_progress = "rollout_progress"
     rollout_ended = "rollout_ended"
     rollout_failed = "rollout_failed"
+    # Evaluation jobs
+    evaluation_started = "evaluation_started"
+    evaluation_progress = "evaluation_progress"
+    evaluation_ended = "evaluation_ended"
+    evaluation_failed = "evaluation_failed"
     # Training runs
     run_started = "run_started"
     run_step = "run_step"
@@ -117,6 +124,12 @@ VOCABULARY: Mapping[JobKind, Vocabulary] = {
         EventType.rollout_progress,
         EventType.rollout_ended,
         EventType.rollout_failed,
+    ),
+    JobKind.evaluation: Vocabulary(
+        EventType.evaluation_started,
+        EventType.evaluation_progress,
+        EventType.evaluation_ended,
+        EventType.evaluation_failed,
     ),
     JobKind.run: Vocabulary(
         EventType.run_started,

@@ -70,8 +70,10 @@ TEST_EVENT = "webhook.test"
 _OUTBOX: Mapping[EventType, tuple[WebhookEventType | None, WebhookEventType | None]] = {
     EventType.training_ended: (WebhookEventType.job_succeeded, None),
     EventType.rollout_ended: (WebhookEventType.job_succeeded, None),
+    EventType.evaluation_ended: (WebhookEventType.job_succeeded, None),
     EventType.training_failed: (WebhookEventType.job_failed, None),
     EventType.rollout_failed: (WebhookEventType.job_failed, None),
+    EventType.evaluation_failed: (WebhookEventType.job_failed, None),
     EventType.job_cancelled: (WebhookEventType.job_cancelled, WebhookEventType.run_cancelled),
     EventType.run_started: (None, WebhookEventType.run_started),
     EventType.run_ended: (None, WebhookEventType.run_succeeded),

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +23,7 @@ from pydantic import ValidationError
 from app.backends.base import BackendError, Inference, classify
 from app.egress import EgressClient, EgressError, EgressPolicy, Reply
 from app.errors import format_path
+from app.evaluations import scoring
 from app.jobs.lifecycle import Cancelled, ErrorInfo, EventType, Failed, Outcome, Succeeded
 from app.jobs.payloads import compress
 from app.jobs.store import Claim, LeaseState
@@ -37,7 +37,7 @@ from app.jobs.supervise import (
     supervise,
 )
 from app.rollouts import spec
-from app.rollouts.graders import Grader, grade
+from app.rollouts.graders import Grader
 from app.rollouts.sampling import SamplingClient, SamplingError
 from app.rollouts.service import training_child
 from app.rollouts.spec import RolloutSpec
@@ -74,16 +74,14 @@ class Collected:
             self.errors.append(message)
 
     def stats(self) -> dict[str, Any]:
-        mean = sum(self.rewards) / len(self.rewards) if self.rewards else None
-        std = None
-        if mean is not None:
-            std = math.sqrt(sum((r - mean) ** 2 for r in self.rewards) / len(self.rewards))
+        # A run's validation score is `mean_reward`: summed up as an evaluation's scores are.
+        summed = scoring.stats(self.rewards)
         return {
-            "num_graded": len(self.rewards),
+            "num_graded": summed.count,
             "num_groups": len(self.groups),
             "num_errors": self.num_errors,
-            "mean_reward": mean,
-            "reward_std": std,
+            "mean_reward": summed.mean,
+            "reward_std": summed.std,
             "untrainable_groups": self.untrainable,
             "errors": self.errors,
         }
@@ -383,12 +381,10 @@ async def _graded(
 ) -> dict[str, Any]:
     """One sampled answer, checked as training input, then graded; `_Refused` if not kept
     (checked first: an answer training would refuse costs no grading call)."""
-    if not isinstance(choice, dict):
-        raise _Refused("the endpoint answered a choice that is not an object")
-    message = choice.get("message")
-    answer = (message.get("content") if isinstance(message, dict) else None) or ""
-    if not isinstance(answer, str):
-        raise _Refused("the endpoint answered a message whose content is not text")
+    try:
+        answer = scoring.answer_of(choice)
+    except scoring.Unscorable as exc:
+        raise _Refused(str(exc)) from None
     metadata: dict[str, Any] = {"example_id": str(example.id), "generation": generation}
     trajectory = {
         "messages_and_choices": [*example.messages, choice],
@@ -405,7 +401,7 @@ async def _graded(
     except _Refused as exc:
         raise _Refused(f"the endpoint's answer {exc}") from None
     async with grading:
-        result = await grade(
+        result = await scoring.score(
             grader, example=example_json, answer=answer, generation=generation, client=egress
         )
     if result.reward is None:

@@ -177,7 +177,9 @@ class JobEvent(BaseModel):
         description="What happened. Any job: `job_queued`, `job_claimed`, `job_retrying`, "
         "`job_released`, `cancel_requested`, `job_cancelled`. Training jobs: "
         "`training_started`, `gradient_step`, `training_ended`, `training_failed`. Rollout "
-        "jobs: `rollout_started`, `rollout_progress`, `rollout_ended`, `rollout_failed`."
+        "jobs: `rollout_started`, `rollout_progress`, `rollout_ended`, `rollout_failed`. "
+        "Evaluation jobs: `evaluation_started`, `evaluation_progress`, `evaluation_ended`, "
+        "`evaluation_failed`."
     )
     created_at: datetime
     data: dict[str, Any]

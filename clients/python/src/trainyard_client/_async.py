@@ -32,7 +32,7 @@ from trainyard_client.errors import ConflictError, TrainyardConnectionError, err
 from trainyard_client.progress import Progress, ProgressTracker, SSEDecoder
 
 T = TypeVar("T")
-J = TypeVar("J", m.TrainingJob, m.RolloutJob, m.Run)
+J = TypeVar("J", m.TrainingJob, m.RolloutJob, m.EvaluationJob, m.Run)
 
 
 class AsyncTrainyard:
@@ -68,6 +68,7 @@ class AsyncTrainyard:
         self.retention = Retention(self)
         self.training_jobs = TrainingJobs(self)
         self.rollout_jobs = RolloutJobs(self)
+        self.evaluations = EvaluationJobs(self)
         self.runs = Runs(self)
         self.datasets = Datasets(self)
         self.webhooks = Webhooks(self)
@@ -530,6 +531,64 @@ class RolloutJobs(_Jobs[m.RolloutJob]):
     async def trajectories(self, job_id: str) -> dict[str, Any]:
         """The groups it built, as a NAT `TrajectoryCollection`."""
         return cast(dict[str, Any], await self._send(calls.jobs_trajectories(self.kind, job_id)))
+
+
+class EvaluationJobs(_Jobs[m.EvaluationJob]):
+    """Evaluation jobs: a step of a model sampled on examples and each answer scored."""
+
+    kind: JobKind = "evaluation"
+
+    @operation("evaluation_jobs-create")
+    async def create(
+        self,
+        *,
+        model: str,
+        grader: Mapping[str, Any],
+        dataset: Mapping[str, Any] | None = None,
+        examples: Sequence[Mapping[str, Any]] | None = None,
+        samples_per_example: int | None = None,
+        sampling: Mapping[str, Any] | None = None,
+        concurrency: int | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        idempotency_key: str | None = None,
+    ) -> m.EvaluationJob:
+        """Evaluate `model` (`name`, `name@N` or `name@alias`: the step it names now) on a
+        `dataset` split (`{"name": "…", "split": "validation"}` or `{"id": …}`) or inline
+        `examples`, scoring each answer with `grader`. Sent with an Idempotency-Key
+        (`idempotency_key`, else one made for this call) that every retry repeats."""
+        return await self._send(
+            calls.evaluation_jobs_create(
+                model=model,
+                grader=grader,
+                dataset=dataset,
+                examples=examples,
+                samples_per_example=samples_per_example,
+                sampling=sampling,
+                concurrency=concurrency,
+                metadata=metadata,
+                idempotency_key=idempotency_key,
+            )
+        )
+
+    @operation("evaluation_jobs-list_results")
+    async def results(
+        self, job_id: str, *, after: str | None = None, limit: int | None = None
+    ) -> m.Page[m.EvaluationResult]:
+        """One page of the job's answers, by example then sample, each with its score or
+        its error."""
+        return await self._send(calls.evaluation_jobs_results(job_id, after=after, limit=limit))
+
+    @operation("evaluation_jobs-summary")
+    async def summary(self, job_id: str) -> m.EvaluationReport:
+        """The job's scores summed up, overall and per example (min, max, mean, stddev)."""
+        return await self._send(calls.evaluation_jobs_summary(job_id))
+
+    @operation("evaluation_jobs-compare")
+    async def compare(self, a: str, b: str) -> m.EvaluationComparison:
+        """Job `b` against job `a` on the same examples: per-example deltas (`b - a`), their
+        mean, wins, losses and ties. ConflictError unless both succeeded on the same
+        examples."""
+        return await self._send(calls.evaluation_jobs_compare(a, b))
 
 
 class Runs(_Followed[m.Run]):

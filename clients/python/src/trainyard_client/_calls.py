@@ -20,7 +20,7 @@ from pydantic import TypeAdapter
 from trainyard_client import models as m
 
 T = TypeVar("T")
-JobKind = Literal["training", "rollout", "run"]
+JobKind = Literal["training", "rollout", "evaluation", "run"]
 
 OPERATIONS: dict[str, tuple[str, str]] = {
     "health-healthz": ("GET", "/healthz"),
@@ -55,6 +55,15 @@ OPERATIONS: dict[str, tuple[str, str]] = {
     "rollout_jobs-trajectories": ("GET", "/v1/rollout-jobs/{job_id}/trajectories"),
     "rollout_jobs-events": ("GET", "/v1/rollout-jobs/{job_id}/events"),
     "rollout_jobs-stream": ("GET", "/v1/rollout-jobs/{job_id}/events/stream"),
+    "evaluation_jobs-create": ("POST", "/v1/evaluation-jobs"),
+    "evaluation_jobs-list": ("GET", "/v1/evaluation-jobs"),
+    "evaluation_jobs-compare": ("GET", "/v1/evaluation-jobs/compare"),
+    "evaluation_jobs-get": ("GET", "/v1/evaluation-jobs/{job_id}"),
+    "evaluation_jobs-list_results": ("GET", "/v1/evaluation-jobs/{job_id}/results"),
+    "evaluation_jobs-summary": ("GET", "/v1/evaluation-jobs/{job_id}/summary"),
+    "evaluation_jobs-cancel": ("POST", "/v1/evaluation-jobs/{job_id}/cancel"),
+    "evaluation_jobs-events": ("GET", "/v1/evaluation-jobs/{job_id}/events"),
+    "evaluation_jobs-stream": ("GET", "/v1/evaluation-jobs/{job_id}/events/stream"),
     "runs-create": ("POST", "/v1/runs"),
     "runs-list": ("GET", "/v1/runs"),
     "runs-get": ("GET", "/v1/runs/{run_id}"),
@@ -371,6 +380,49 @@ def rollout_jobs_create(
     return _replace(call, json=body, headers={"Idempotency-Key": key})
 
 
+def evaluation_jobs_create(
+    *,
+    model: str,
+    grader: Mapping[str, Any],
+    dataset: Mapping[str, Any] | None = None,
+    examples: Sequence[Mapping[str, Any]] | None = None,
+    samples_per_example: int | None = None,
+    sampling: Mapping[str, Any] | None = None,
+    concurrency: int | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    idempotency_key: str | None = None,
+) -> Call[m.EvaluationJob]:
+    body = _body(
+        model=model,
+        dataset=dataset,
+        examples=list(examples) if examples is not None else None,
+        grader=grader,
+        samples_per_example=samples_per_example,
+        sampling=sampling,
+        concurrency=concurrency,
+        metadata=metadata,
+    )
+    key = idempotency_key if idempotency_key is not None else new_idempotency_key()
+    call = _call("evaluation_jobs-create", _json(m.EvaluationJob))
+    return _replace(call, json=body, headers={"Idempotency-Key": key})
+
+
+def evaluation_jobs_results(
+    job_id: str, *, after: str | None = None, limit: int | None = None
+) -> Call[m.Page[m.EvaluationResult]]:
+    call = _job_call("evaluation_jobs-list_results", _json(m.Page[m.EvaluationResult]), job_id)
+    return _replace(call, params=_params(after=after, limit=limit))
+
+
+def evaluation_jobs_summary(job_id: str) -> Call[m.EvaluationReport]:
+    return _job_call("evaluation_jobs-summary", _json(m.EvaluationReport), job_id)
+
+
+def evaluation_jobs_compare(a: str, b: str) -> Call[m.EvaluationComparison]:
+    call = _call("evaluation_jobs-compare", _json(m.EvaluationComparison))
+    return _replace(call, params=_params(a=a, b=b))
+
+
 def runs_create(
     *,
     model: str,
@@ -440,11 +492,13 @@ def runs_settings(run_id: str) -> Call[m.RunSettings]:
 _JOB_TYPES: dict[JobKind, Any] = {
     "training": m.TrainingJob,
     "rollout": m.RolloutJob,
+    "evaluation": m.EvaluationJob,
     "run": m.Run,
 }
 _PAGE_TYPES: dict[JobKind, Any] = {
     "training": m.Page[m.TrainingJob],
     "rollout": m.Page[m.RolloutJob],
+    "evaluation": m.Page[m.EvaluationJob],
 }
 
 

@@ -48,6 +48,10 @@ class EventType(StrEnum):
     rollout_progress = "rollout_progress"
     rollout_ended = "rollout_ended"
     rollout_failed = "rollout_failed"
+    evaluation_started = "evaluation_started"
+    evaluation_progress = "evaluation_progress"
+    evaluation_ended = "evaluation_ended"
+    evaluation_failed = "evaluation_failed"
     run_started = "run_started"
     run_step = "run_step"
     run_ended = "run_ended"
@@ -64,6 +68,8 @@ FINAL_EVENTS = frozenset(
         EventType.training_failed,
         EventType.rollout_ended,
         EventType.rollout_failed,
+        EventType.evaluation_ended,
+        EventType.evaluation_failed,
         EventType.run_ended,
         EventType.run_failed,
     }
@@ -274,6 +280,78 @@ class RolloutSummary(_Wire):
 class RolloutJob(_Job):
     summary: RolloutSummary
     training_job_id: str | None
+
+
+class EvaluationSummary(_Wire):
+    model: str
+    step: int
+    dataset_id: str | None = None
+    split: str | None = None
+    examples_sha256: str
+    num_examples: int
+    samples_per_example: int
+    num_samples: int
+    num_scored: int | None = None
+    num_errors: int | None = None
+    mean_score: float | None = None
+    pass_rate: float | None = None
+
+
+class EvaluationJob(_Job):
+    summary: EvaluationSummary
+
+
+class EvaluationResult(_Wire):
+    example: int
+    example_id: str
+    sample: int
+    answer: str | None
+    score: float | None
+    error: str | None
+    created_at: datetime
+
+
+class ExampleScores(_Wire):
+    example: int
+    example_id: str
+    num_scored: int
+    num_errors: int
+    mean: float | None
+    min: float | None
+    max: float | None
+    stddev: float | None
+
+
+class EvaluationReport(_Wire):
+    job_id: str
+    step: int
+    num_examples: int
+    num_scored: int
+    num_errors: int
+    mean_score: float | None
+    pass_rate: float | None
+    examples: list[ExampleScores]
+
+
+class ExampleDelta(_Wire):
+    example: int
+    example_id: str
+    a: float | None
+    b: float | None
+    delta: float | None
+
+
+class EvaluationComparison(_Wire):
+    a: str
+    b: str
+    a_step: int
+    b_step: int
+    num_examples: int
+    mean_delta: float | None
+    wins: int
+    losses: int
+    ties: int
+    examples: list[ExampleDelta]
 
 
 class JobEvent(_Wire):

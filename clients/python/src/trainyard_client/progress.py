@@ -55,10 +55,13 @@ _STATUS_AFTER: dict[str, str] = {
     EventType.job_released: JobStatus.queued,
     EventType.training_started: JobStatus.running,
     EventType.rollout_started: JobStatus.running,
+    EventType.evaluation_started: JobStatus.running,
     EventType.training_ended: JobStatus.succeeded,
     EventType.rollout_ended: JobStatus.succeeded,
+    EventType.evaluation_ended: JobStatus.succeeded,
     EventType.training_failed: JobStatus.failed,
     EventType.rollout_failed: JobStatus.failed,
+    EventType.evaluation_failed: JobStatus.failed,
     EventType.job_cancelled: JobStatus.cancelled,
     EventType.run_started: JobStatus.running,
     EventType.run_ended: JobStatus.succeeded,
@@ -66,7 +69,12 @@ _STATUS_AFTER: dict[str, str] = {
 }
 # Events that move a job along: gradient steps of a training job, answers of a rollout,
 # steps of a run (whose total comes as `total_steps`, from its start).
-_PROGRESS = {EventType.gradient_step, EventType.rollout_progress, EventType.run_step}
+_PROGRESS = {
+    EventType.gradient_step,
+    EventType.rollout_progress,
+    EventType.evaluation_progress,
+    EventType.run_step,
+}
 _TOTAL_KEYS = ("total", "total_steps")
 # Metric names, in order of preference, that say a step's reward and loss: ART's LocalBackend
 # reports `loss/train` (upstream `loss`), Serverless `train/reward`; rollouts `mean_reward`,

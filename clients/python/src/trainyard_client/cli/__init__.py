@@ -51,7 +51,7 @@ except ImportError as missing:  # pragma: no cover - the `cli` extra is not inst
     print("the CLI needs rich: pip install 'trainyard-client[cli]'", file=sys.stderr)
     sys.exit(2)
 
-KINDS = ["training", "rollout", "run"]
+KINDS = ["training", "rollout", "evaluation", "run"]
 
 __all__ = [
     "EXIT_CANCELLED",
@@ -127,7 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     def kind_option(sub: argparse.ArgumentParser) -> None:
         sub.add_argument("--kind", choices=KINDS, help="job kind (default: found by its id)")
 
-    submit = command("submit", "submit a training job, rollout job or run from a JSON file")
+    submit = command(
+        "submit", "submit a training, rollout or evaluation job, or a run, from a JSON file"
+    )
     submit.add_argument("file", help="the request body (`-`: stdin)")
     kind_option(submit)
     submit.add_argument(
@@ -181,6 +183,24 @@ def build_parser() -> argparse.ArgumentParser:
         _common(sub, top=False)
         sub.add_argument("job_id", metavar="run_id")
     runs.set_defaults(run=c.cmd_runs)
+
+    evaluations = command(
+        "evaluations", "an evaluation's answers or summary, or two evaluations compared"
+    )
+    actions = evaluations.add_subparsers(dest="action", required=True, metavar="ACTION")
+    results = actions.add_parser("results", help="the answers, with their scores or errors")
+    _common(results, top=False)
+    results.add_argument("job_id")
+    results.add_argument("--after", help="cursor of the next page")
+    results.add_argument("--limit", type=int, default=100)
+    summary = actions.add_parser("summary", help="scores summed up, overall and per example")
+    _common(summary, top=False)
+    summary.add_argument("job_id")
+    compare = actions.add_parser("compare", help="B against A, example by example")
+    _common(compare, top=False)
+    compare.add_argument("a")
+    compare.add_argument("b")
+    evaluations.set_defaults(run=c.cmd_evaluations)
 
     models = command("models", "list, show or register models")
     models_actions = models.add_subparsers(dest="action", required=True, metavar="ACTION")

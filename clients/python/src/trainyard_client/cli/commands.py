@@ -49,13 +49,16 @@ def _kind_of(body: dict[str, Any], kind: str | None, path: str) -> str:
         return kind
     if "recipe" in body or "schedule" in body:
         return "run"
+    if "samples_per_example" in body or ("dataset" in body and "grader" in body):
+        return "evaluation"
     if "examples" in body:
         return "rollout"
     if "collection" in body or "groups" in body:
         return "training"
     raise UsageError(
-        f"{path}: not a training job (`collection` or `groups`), a rollout job (`examples`) "
-        "or a run (`recipe`, `schedule`); say which with --kind"
+        f"{path}: not a training job (`collection` or `groups`), a rollout job (`examples`), "
+        "an evaluation job (`samples_per_example`, or `dataset` and `grader`) or a run "
+        "(`recipe`, `schedule`); say which with --kind"
     )
 
 
@@ -79,6 +82,12 @@ def cmd_submit(out: Output, client: Trainyard, args: argparse.Namespace) -> int:
         )
     elif kind == "run":
         job = _with_fields(lambda **b: client.runs.create(**b, idempotency_key=key), body, "run")
+    elif kind == "evaluation":
+        job = _with_fields(
+            lambda **b: client.evaluations.create(**b, idempotency_key=key),
+            body,
+            "evaluation job",
+        )
     else:
         job = _with_fields(
             lambda **b: client.rollout_jobs.create(**b, idempotency_key=key),
@@ -157,6 +166,46 @@ def cmd_jobs(out: Output, client: Trainyard, args: argparse.Namespace) -> int:
 def cmd_runs(out: Output, client: Trainyard, args: argparse.Namespace) -> int:
     args.kind = "run"
     return cmd_jobs(out, client, args)
+
+
+def cmd_evaluations(out: Output, client: Trainyard, args: argparse.Namespace) -> int:
+    evaluations = client.evaluations
+    if args.action == "compare":
+        comparison = evaluations.compare(args.a, args.b)
+        if out.json:
+            out.data(comparison)
+            return EXIT_OK
+        rows = [[d.example, d.example_id, d.a, d.b, d.delta] for d in comparison.examples]
+        title = (
+            f"{args.b} (step {comparison.b_step}) against {args.a} (step {comparison.a_step}): "
+            f"mean delta {comparison.mean_delta}, {comparison.wins} wins, "
+            f"{comparison.losses} losses, {comparison.ties} ties"
+        )
+        out.table(["example", "id", "a", "b", "delta"], rows, title)
+        return EXIT_OK
+    if args.action == "summary":
+        report = evaluations.summary(args.job_id)
+        if out.json:
+            out.data(report)
+            return EXIT_OK
+        rows = [
+            [e.example, e.example_id, e.mean, e.min, e.max, e.stddev, e.num_errors]
+            for e in report.examples
+        ]
+        title = (
+            f"{args.job_id} (step {report.step}): mean {report.mean_score}, pass rate "
+            f"{report.pass_rate}, {report.num_errors} errors"
+        )
+        out.table(["example", "id", "mean", "min", "max", "stddev", "errors"], rows, title)
+        return EXIT_OK
+    page = evaluations.results(args.job_id, after=args.after, limit=args.limit)
+    if out.json:
+        out.data(page)
+        return EXIT_OK
+    rows = [[r.example, r.example_id, r.sample, r.score, r.error, r.answer] for r in page.data]
+    title = f"answers of {args.job_id}" + _more(page)
+    out.table(["example", "id", "sample", "score", "error", "answer"], rows, title)
+    return EXIT_OK
 
 
 def _run_metrics(out: Output, client: Trainyard, run_id: str) -> int:

@@ -15,7 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from trainyard_client import models as m
-from trainyard_client._sync import RolloutJobs, Runs, TrainingJobs, Trainyard
+from trainyard_client._sync import EvaluationJobs, RolloutJobs, Runs, TrainingJobs, Trainyard
 from trainyard_client.errors import NotFoundError
 from trainyard_client.progress import Progress
 
@@ -36,8 +36,8 @@ EXIT_BY_STATUS: dict[str, int] = {
 
 NONE = "-"  # a value not reported yet
 
-Jobs = TrainingJobs | RolloutJobs | Runs
-AnyJob = m.TrainingJob | m.RolloutJob | m.Run
+Jobs = TrainingJobs | RolloutJobs | EvaluationJobs | Runs
+AnyJob = m.TrainingJob | m.RolloutJob | m.EvaluationJob | m.Run
 
 
 class Output:
@@ -92,12 +92,14 @@ def _number(value: float | None) -> str:
 def jobs_of(client: Trainyard, kind: str) -> Jobs:
     if kind == "training":
         return client.training_jobs
+    if kind == "evaluation":
+        return client.evaluations
     return client.rollout_jobs if kind == "rollout" else client.runs
 
 
 def find_job(client: Trainyard, job_id: str, kind: str | None) -> tuple[Jobs, Any]:
     """The job and its resource: `kind`'s; else a run for a `run_` id; else a training job,
-    else a rollout job."""
+    else a rollout job, else an evaluation job."""
     if kind is None and job_id.startswith("run_"):
         kind = "run"
     if kind is not None:
@@ -109,7 +111,10 @@ def find_job(client: Trainyard, job_id: str, kind: str | None) -> tuple[Jobs, An
         try:
             return client.rollout_jobs, client.rollout_jobs.get(job_id)
         except NotFoundError:
-            raise not_training from None
+            try:
+                return client.evaluations, client.evaluations.get(job_id)
+            except NotFoundError:
+                raise not_training from None
 
 
 def job_row(job: AnyJob) -> list[Any]:
@@ -124,7 +129,8 @@ def job_row(job: AnyJob) -> list[Any]:
 
 def job_fields(job: AnyJob) -> dict[str, Any]:
     values = job.model_dump(mode="json")
-    values["kind"] = {m.TrainingJob: "training", m.RolloutJob: "rollout"}.get(type(job), "run")
+    kinds = {m.TrainingJob: "training", m.RolloutJob: "rollout", m.EvaluationJob: "evaluation"}
+    values["kind"] = kinds.get(type(job), "run")
     return values
 
 
@@ -135,7 +141,7 @@ class Watcher:
     def __init__(self, out: Output, job_id: str, kind: str, reward: float | None) -> None:
         self.out, self.job_id, self.kind = out, job_id, kind
         self.reward = reward  # until an event reports one
-        self.unit = "sample" if kind == "rollout" else "step"
+        self.unit = "sample" if kind in ("rollout", "evaluation") else "step"
         self.bar: Bar | None = None
         self.task: Any = None
         self.last_line = ""

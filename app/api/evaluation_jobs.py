@@ -1,0 +1,167 @@
+"""Evaluation jobs: a step of a model sampled on examples and scored, nothing trained."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request, Response
+
+from app.api.body import Reading, json_body, read_json
+from app.api.deps import Cursor, IdempotencyKey, JobId, ModelFilter, Reads, Session
+from app.api.job_events import add_event_routes
+from app.api.workers import with_waits
+from app.evaluations import results, service
+from app.jobs import service as jobs_service
+from app.jobs.lifecycle import JobKind, JobStatus
+from app.rollouts.service import limits
+from app.schemas.common import NO_NUL, Page, problem_responses
+from app.schemas.evaluations import (
+    EVALUATION_PIECES,
+    EvaluationComparison,
+    EvaluationJob,
+    EvaluationJobCreate,
+    EvaluationReport,
+    EvaluationResult,
+)
+
+router = APIRouter(
+    prefix="/v1/evaluation-jobs", tags=["evaluation_jobs"], responses=problem_responses(401)
+)
+EVALUATION = JobKind.evaluation
+READING = Reading(EvaluationJobCreate, service.prepare, EVALUATION_PIECES, limits)
+ResultCursor = Annotated[
+    str | None,
+    Query(
+        pattern=r"^[0-9]{1,9}\.[0-9]{1,9}$",  # within a 32-bit integer each
+        description="`next_cursor` of the previous page (`<example>.<sample>`)",
+    ),
+]
+JobRef = Annotated[str, Query(pattern=NO_NUL, max_length=64, description="An evaluation job.")]
+
+
+@router.post(
+    "",
+    response_model=EvaluationJob,
+    status_code=202,
+    summary="Sample a step of a model on examples and score each answer (nothing trained)",
+    responses=problem_responses(404, 409, 413, 422),
+    openapi_extra=json_body(EvaluationJobCreate),
+)
+async def create(
+    request: Request,
+    response: Response,
+    session: Session,
+    idempotency_key: IdempotencyKey = None,
+) -> EvaluationJob:
+    settings = request.app.state.settings
+    job, replayed = await service.create_evaluation_job(
+        session,
+        request.app.state.backends,
+        job=await read_json(request, READING),
+        max_attempts=settings.max_attempts,
+        idempotency_key=idempotency_key,
+    )
+    await session.commit()
+    if replayed:
+        response.headers["Idempotent-Replayed"] = "true"
+    else:
+        request.app.state.notifier.jobs_changed()
+    response.headers["Location"] = f"/v1/evaluation-jobs/{job.id}"
+    return (await with_waits(request, [service.to_wire(jobs_service.JobView.of(job))]))[0]
+
+
+@router.get(
+    "",
+    name="list",
+    response_model=Page[EvaluationJob],
+    summary="List evaluation jobs, newest first",
+    description=jobs_service.METADATA_FILTER_DOC,
+    responses=problem_responses(422),
+)
+async def list_all(
+    request: Request,
+    reader: Reads,
+    status: Annotated[JobStatus | None, Query(description="Only jobs in this status.")] = None,
+    model: ModelFilter = None,
+    after: Cursor = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+) -> Page[EvaluationJob]:
+    jobs, has_more = await jobs_service.list_jobs(
+        reader,
+        kind=EVALUATION,
+        status=status,
+        model=model,
+        after=after,
+        limit=limit,
+        metadata=jobs_service.metadata_filters(request.query_params.multi_items()),
+    )
+    page = jobs_service.page_of(jobs, has_more, service.to_wire)
+    page.data = await with_waits(request, page.data)
+    return page
+
+
+# Before `/{job_id}`: FastAPI tries routes in order.
+@router.get(
+    "/compare",
+    response_model=EvaluationComparison,
+    summary="Compare two evaluations of the same examples: per-example score deltas (b - a)",
+    responses=problem_responses(404, 409, 422),
+)
+async def compare(a: JobRef, b: JobRef, reader: Reads) -> EvaluationComparison:
+    return await results.compare(reader, a, b)
+
+
+@router.get(
+    "/{job_id}",
+    response_model=EvaluationJob,
+    summary="Get an evaluation job",
+    responses=problem_responses(404),
+)
+async def get(job_id: JobId, request: Request, reader: Reads) -> EvaluationJob:
+    job = service.to_wire(await jobs_service.read_job(reader, job_id, kind=EVALUATION))
+    return (await with_waits(request, [job]))[0]
+
+
+@router.get(
+    "/{job_id}/results",
+    response_model=Page[EvaluationResult],
+    summary="An evaluation's answers with their scores or errors, by example and sample",
+    responses=problem_responses(404, 422),
+)
+async def list_results(
+    job_id: JobId,
+    reader: Reads,
+    after: ResultCursor = None,
+    limit: Annotated[int, Query(ge=1, le=500)] = 100,
+) -> Page[EvaluationResult]:
+    await jobs_service.read_job(reader, job_id, kind=EVALUATION)  # 404 for an unknown job
+    data, has_more = await results.page(reader, job_id, after=after, limit=limit)
+    last = data[-1] if data else None
+    cursor = results.cursor_of(last.example, last.sample) if has_more and last else None
+    return Page(data=data, has_more=has_more, next_cursor=cursor)
+
+
+@router.get(
+    "/{job_id}/summary",
+    response_model=EvaluationReport,
+    summary="An evaluation's scores summed up, overall and per example, from its answers",
+    responses=problem_responses(404),
+)
+async def summary(job_id: JobId, reader: Reads) -> EvaluationReport:
+    return await results.report(reader, job_id)
+
+
+@router.post(
+    "/{job_id}/cancel",
+    response_model=EvaluationJob,
+    summary="Cancel an evaluation job",
+    responses=problem_responses(404, 409),
+)
+async def cancel(job_id: JobId, request: Request, session: Session) -> EvaluationJob:
+    job = await jobs_service.cancel_job(session, job_id, kind=EVALUATION)
+    await session.commit()
+    request.app.state.notifier.events_appended(job.id)
+    return service.to_wire(jobs_service.JobView.of(job))
+
+
+add_event_routes(router, EVALUATION)

@@ -1,0 +1,1 @@
+"""Evaluation jobs: a fixed step of a model sampled on examples, each answer scored."""
