@@ -213,6 +213,8 @@ async def test_the_step_is_fixed_when_accepted_and_two_steps_compare(serve, tiny
     assert other.status_code == 409
     assert other.headers["content-type"].startswith("application/problem+json")
     assert unknown.status_code == 404
+    assert unknown.json()["detail"] == "no evaluation job 'job_nope'"
+    assert [(e["location"], e["path"]) for e in unknown.json()["errors"]] == [("query", "b")]
 
 
 def _paths(response: httpx.Response) -> list[str]:

@@ -193,8 +193,8 @@ async def report(reader: Reader, job_id: str) -> EvaluationReport:
 async def compare(reader: Reader, a: str, b: str) -> EvaluationComparison:
     """`b` against `a`: each example's mean score, their delta, wins and losses. 404 for an
     unknown job; 409 unless both succeeded on the same examples."""
-    job_a = await read_job(reader, a, kind=JobKind.evaluation)
-    job_b = await read_job(reader, b, kind=JobKind.evaluation)
+    job_a = await read_job(reader, a, kind=JobKind.evaluation, param="a", location="query")
+    job_b = await read_job(reader, b, kind=JobKind.evaluation, param="b", location="query")
     _comparable(job_a, job_b)
     means_a = {r[0]: _example_scores(r) for r in await reader.rows(_per_example(a))}
     means_b = {r[0]: _example_scores(r) for r in await reader.rows(_per_example(b))}

@@ -96,12 +96,16 @@ _READ_JOB = _VIEW.where(_COLUMNS["id"] == bindparam("id"), _COLUMNS["kind"] == b
 """Built once: building a statement costs more than SQLite takes to run it."""
 
 
-async def read_job(reader: Reader, job_id: str, *, kind: JobKind) -> JobView:
+async def read_job(
+    reader: Reader, job_id: str, *, kind: JobKind, param: str | None = None, location: str = "path"
+) -> JobView:
     """A job as a request reads it alone (`Reader.row`: one statement; on SQLite, on the
-    event loop, never waiting for a lock)."""
+    event loop, never waiting for a lock). A 404 names `param` (at `location`) when given."""
     row = await reader.row(_READ_JOB, {"id": job_id, "kind": kind.value})
     if row is None:
-        raise missing_job(kind, job_id)
+        if location != "path" and param is not None:
+            raise not_found(job_noun(kind), job_id, param=param, location=location)
+        raise missing_job(kind, job_id, param)
     return JobView(*row)
 
 
