@@ -285,6 +285,9 @@ def seed(client: httpx.Client, data_dir: Path) -> Seeded:
     parts = [{"type": "text", "text": "no"}, {"type": "text", "text": "?"}]  # OpenAI content parts
     finished = rollout("yes?", parts, grader={"type": "exact_match"}, train={})
     held = rollout(HOLD, grader={"type": "contains"})
+    # Queued behind `held` until the test ends (one job per model): one the fuzzer may
+    # cancel whatever ended before it starts.
+    rollout("yes?", grader={"type": "contains"})
 
     _wait(client, f"/v1/training-jobs/{done}", {"succeeded"})
     _wait(client, f"/v1/training-jobs/{failed}", {"failed"})
