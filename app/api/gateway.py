@@ -26,14 +26,13 @@ from app.errors import format_path
 from app.gateway import PREFIX, Gateway, GatewayError, parse_model, served_names
 from app.ingest import jsontext
 from app.models import ModelRow
-from app.schemas.common import problem_responses
 
 log = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.2
 # Counted for a request that states no `max_tokens` (the cpu backend's most per answer).
 UNSTATED_MAX_TOKENS = 1024
 
-router = APIRouter(prefix=PREFIX, tags=["gateway"], responses=problem_responses(401))
+router = APIRouter(prefix=PREFIX, tags=["gateway"])
 
 _ENVELOPE = {
     "type": "object",
@@ -54,6 +53,8 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"description": why, "content": {"application/json": {"schema": _ENVELOPE}}}
     for status, why in [
         (400, "The request is not a chat completion request."),
+        (401, "No key, or an unknown, revoked or expired one (`invalid_api_key`)."),
+        (403, "The key lacks the `sample` scope (`missing_scope`)."),
         (
             404,
             "No such model or step, or the model is not served (its backend serves none, "
@@ -251,7 +252,11 @@ async def chat_completions(request: Request) -> Response:
 @router.get(
     "/models",
     summary="The model names the gateway serves (OpenAI-compatible)",
-    responses={200: {"description": "`{object: list, data: [{id, object, owned_by}]}`"}},
+    responses={
+        200: {"description": "`{object: list, data: [{id, object, owned_by}]}`"},
+        401: _ERRORS[401],
+        403: _ERRORS[403],
+    },
 )
 async def models(request: Request) -> dict[str, Any]:
     serving = [name for name, spec in SPECS.items() if spec.serves]
