@@ -352,3 +352,60 @@ async def test_the_retention_sweep_deletes_old_audit_events(serve, database_url:
             await until(swept, "the worker pruned the audit log")
     finally:
         await engine.dispose()
+
+
+JSONL = {"Content-Type": "application/jsonl"}
+DATASET = b'{"id": "e1", "messages": [{"role": "user", "content": "hi"}]}\n'
+
+
+async def test_a_key_sees_only_its_projects_models_and_datasets(serve, database_url: str) -> None:
+    from tests.factories import nat_collection
+
+    async with serve(**FRESH) as live:
+        c = live.client
+        a, b = await project(c, "a"), await project(c, "b")
+        a_write = bearer((await key(c, a, "write"))["secret"])
+        b_write = bearer((await key(c, b, "write"))["secret"])
+        b_read = bearer((await key(c, b, "read"))["secret"])
+        assert (
+            await c.post("/v1/models", json=model_body("a-model"), headers=a_write)
+        ).status_code == 201
+        assert (
+            await c.post("/v1/models", json=model_body("root-model"), headers=ROOT)
+        ).status_code == 201
+        # The other project's model: 404 as if missing, left out of lists, its name taken.
+        assert (await c.get("/v1/models/a-model", headers=b_read)).status_code == 404
+        assert (await c.get("/v1/models", headers=b_read)).json()["data"] == []
+        taken = await c.post("/v1/models", json=model_body("a-model"), headers=b_write)
+        assert taken.status_code == 409 and "b" not in taken.json()["detail"].split("'")[0]
+        own = (await c.get("/v1/models", headers=a_write)).json()["data"]
+        assert [m["name"] for m in own] == ["a-model"]
+        assert (await c.get("/v1/models/a-model", headers=a_write)).status_code == 200
+        every = (await c.get("/v1/models", headers=ROOT)).json()["data"]
+        assert {m["name"] for m in every} == {"a-model", "root-model"}
+        # Datasets alike; deleting another project's is a 404 and deletes nothing.
+        made = await c.post("/v1/datasets?name=d", content=DATASET, headers={**JSONL, **a_write})
+        assert made.status_code == 201, made.text
+        dataset = made.json()["id"]
+        assert (await c.get(f"/v1/datasets/{dataset}", headers=b_read)).status_code == 404
+        assert (await c.get("/v1/datasets", headers=b_read)).json()["data"] == []
+        assert (await c.delete(f"/v1/datasets/{dataset}", headers=b_write)).status_code == 404
+        assert (await c.get(f"/v1/datasets/{dataset}", headers=a_write)).status_code == 200
+        again = await c.post("/v1/datasets?name=d", content=DATASET, headers={**JSONL, **b_write})
+        assert again.status_code == 201 and again.json()["id"] != dataset  # B's own copy
+        # A job belongs to its model's project.
+        job = await c.post(
+            "/v1/training-jobs",
+            json={"model": "a-model", "collection": nat_collection()},
+            headers=a_write,
+        )
+        assert job.status_code == 202, job.text
+    engine = create_engine(database_url)
+    try:
+        async with engine.connect() as conn:
+            jobs = (await conn.execute(text("SELECT id, project_id FROM jobs"))).all()
+            models = dict((await conn.execute(text("SELECT name, project_id FROM models"))).all())
+    finally:
+        await engine.dispose()
+    assert jobs == [(job.json()["id"], a)]
+    assert models == {"a-model": a, "root-model": DEFAULT_PROJECT_ID}

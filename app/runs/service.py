@@ -30,7 +30,7 @@ from app.jobs.payloads import Payload
 from app.jobs.runs import apply_pause
 from app.jobs.service import enqueue_once, get_job, replay
 from app.jobs.store import new_job
-from app.models import JobRow, ModelRow, RunMetricRow, RunRow
+from app.models import DEFAULT_PROJECT_ID, JobRow, ModelRow, RunMetricRow, RunRow
 from app.runs import spec
 from app.runs.schedule import initial_state, waiting_id
 from app.runs.state import decode as decode_state
@@ -243,6 +243,8 @@ async def create_run(
             paused=False,
             state=initial_state(stored.plan()).encode(),
             waiting_on=None,
+            # The job's project: its model's (checked above: the model exists).
+            project_id=model.project_id if model is not None else DEFAULT_PROJECT_ID,
         )
     )
     await session.flush()

@@ -18,7 +18,7 @@ from sqlalchemy import Table, exists, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.db import utcnow, write_connection
-from app.models import ApiKeyRow
+from app.models import DEFAULT_PROJECT_ID, ApiKeyRow
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,17 @@ class Principal:
     @property
     def admin(self) -> bool:
         return "admin" in self.scopes
+
+    @property
+    def owner(self) -> str:
+        """The project what this key makes belongs to (the default one for a key from
+        TRAINYARD_API_KEYS, or no key on an open service)."""
+        return self.project_id or DEFAULT_PROJECT_ID
+
+    @property
+    def sees(self) -> str | None:
+        """The one project whose resources this key may see; None: every project."""
+        return None if self.admin else self.owner
 
 
 ADMIN = Principal(key_id=None, project_id=None, scopes=frozenset({"admin"}))
