@@ -80,6 +80,8 @@ POSITIVE_DATA_ACCEPTANCE_OFF = {
     # be an example (a JSON Lines body is a string to the schema).
     "runs-create",
     "datasets-upload",
+    # A key's `expires_at` must be in the future.
+    "projects-create_key",
 }
 
 

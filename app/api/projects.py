@@ -3,15 +3,15 @@ log (admin keys)."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from datetime import datetime
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request, Response
-from pydantic import AwareDatetime
 
 from app.api.body import Reading, json_body, read_json
 from app.api.deps import Caller, Cursor, JobId, Session, require_admin
-from app.errors import NotFoundError
-from app.schemas.common import NO_NUL, Page, problem_responses
+from app.errors import InvalidInputError, NotFoundError
+from app.schemas.common import NO_NUL, FieldError, Page, problem_responses
 from app.schemas.tenants import (
     ApiKey,
     ApiKeyCreate,
@@ -31,6 +31,32 @@ Limit = Annotated[int, Query(ge=1, le=100)]
 
 CREATING = Reading(ProjectCreate, lambda body, raw, settings: body)
 CREATING_KEY = Reading(ApiKeyCreate, lambda body, raw, settings: body)
+
+
+RFC3339 = (
+    r"^[0-9]{4}-[0-9]{2}-[0-9]{2}[Tt][0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]{1,6})?"
+    r"([Zz]|[+-][0-9]{2}:[0-9]{2})$"
+)
+_TIME: dict[str, Any] = {
+    "pattern": RFC3339,
+    "max_length": 40,
+    "json_schema_extra": {"format": "date-time"},
+}
+
+
+def _time(name: str, value: str | None) -> datetime | None:
+    """An RFC 3339 time with its offset (the pattern checked its shape); 422 for a date or
+    time that does not exist."""
+    if value is None:
+        return None
+    try:
+        return datetime.fromisoformat(value.upper())
+    except ValueError:
+        why = "not a real date and time"
+        raise InvalidInputError(
+            f"{name}: {why}",
+            errors=[FieldError(location="query", path=name, message=why, type="datetime")],
+        ) from None
 
 
 def _tenants(request: Request) -> Tenants | None:
@@ -158,10 +184,11 @@ async def list_audit(
         str | None,
         Query(pattern=NO_NUL, max_length=256, description="A route template: `/v1/models`."),
     ] = None,
-    since: Annotated[AwareDatetime | None, Query(description="At or after this time.")] = None,
-    until: Annotated[AwareDatetime | None, Query(description="Before this time.")] = None,
+    since: Annotated[str | None, Query(**_TIME, description="At or after this time.")] = None,
+    until: Annotated[str | None, Query(**_TIME, description="Before this time.")] = None,
 ) -> Page[AuditEvent]:
     require_admin(caller)
+    since_at, until_at = _time("since", since), _time("until", until)
     if (tenants := _tenants(request)) is not None:
         await tenants.audit.flush()  # every answer sent before this one is in the page
     items, has_more = await service.list_audit(
@@ -171,7 +198,7 @@ async def list_audit(
         key_id=key_id,
         project_id=project_id,
         route=route,
-        since=since,
-        until=until,
+        since=since_at,
+        until=until_at,
     )
     return Page(data=items, has_more=has_more, next_cursor=items[-1].id if has_more else None)
