@@ -409,3 +409,22 @@ async def test_a_key_sees_only_its_projects_models_and_datasets(serve, database_
         await engine.dispose()
     assert jobs == [(job.json()["id"], a)]
     assert models == {"a-model": a, "root-model": DEFAULT_PROJECT_ID}
+
+
+async def test_keys_that_cannot_be_read_refuse_with_503_never_let_in(
+    serve, database_url: str
+) -> None:
+    async with serve(key_cache_seconds=0) as live:
+        engine = create_engine(database_url)
+        try:
+            async with engine.begin() as conn:
+                await conn.execute(text("ALTER TABLE api_keys RENAME TO api_keys_away"))
+            refused = await live.client.get("/v1/models")
+            assert refused.status_code == 503
+            assert refused.headers["retry-after"] == "1"
+            assert refused.headers["content-type"] == "application/problem+json"
+            async with engine.begin() as conn:
+                await conn.execute(text("ALTER TABLE api_keys_away RENAME TO api_keys"))
+            assert (await live.client.get("/v1/models")).status_code == 200
+        finally:
+            await engine.dispose()

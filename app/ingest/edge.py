@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import re
 import secrets
 from collections.abc import Collection, Sequence
@@ -23,6 +24,7 @@ from app.ingest.freeing import AFTER_RESPONSE, dispose
 from app.tenants import Tenants
 from app.tenants.keys import ADMIN, SECRET_PREFIX, Principal
 
+log = logging.getLogger(__name__)
 UNAUTHORIZED_DETAIL = "Missing or invalid API key: send `Authorization: Bearer <key>`"
 _CLOSE = {"Connection": "close"}
 
@@ -144,16 +146,29 @@ class ApiKeys:
         if given is None and path.startswith(TINKER_PATHS):
             given = headers.get("x-api-key")  # how the Tinker SDK sends its key
         principal: Principal | None = None
-        if self.keys and key_matches(self.keys, given):
-            principal = ADMIN
-        elif given is not None and given.startswith(SECRET_PREFIX) and tenants is not None:
-            principal = await tenants.keys.principal(given)
-        if (
-            principal is None
-            and not self.keys
-            and (tenants is None or not await tenants.keys.any_keys())
-        ):
-            principal = ADMIN  # no key anywhere: open, as before projects
+        try:
+            if self.keys and key_matches(self.keys, given):
+                principal = ADMIN
+            elif given is not None and given.startswith(SECRET_PREFIX) and tenants is not None:
+                principal = await tenants.keys.principal(given)
+            if (
+                principal is None
+                and not self.keys
+                and (tenants is None or not await tenants.keys.any_keys())
+            ):
+                principal = ADMIN  # no key anywhere: open, as before projects
+        except Exception as exc:  # the keys could not be read: refuse, never let in
+            log.warning("keys: could not be read (%s)", exc)
+            response = problem_response(
+                503,
+                "Service Unavailable",
+                "The keys could not be read; try again",
+                request=Request(scope),
+                slug="unavailable",
+                headers={"Retry-After": "1"},
+            )
+            await response(scope, receive, send)
+            return
         request_id = headers.get("x-request-id", "")
         if not REQUEST_ID.match(request_id):
             request_id = "req_" + secrets.token_hex(12)
