@@ -400,6 +400,32 @@ async def test_a_key_sees_only_its_projects_models_and_datasets(serve, database_
             headers=a_write,
         )
         assert job.status_code == 202, job.text
+        job_id = job.json()["id"]
+        # Another project's job: 404 everywhere, out of lists; its model: no such model.
+        for path in (
+            f"/v1/training-jobs/{job_id}",
+            f"/v1/training-jobs/{job_id}/events",
+            f"/v1/training-jobs/{job_id}/events/stream",
+            f"/v1/training-jobs/{job_id}/trajectories",
+        ):
+            assert (await c.get(path, headers=b_read)).status_code == 404, path
+        assert (await c.get("/v1/training-jobs", headers=b_read)).json()["data"] == []
+        cancel = await c.post(f"/v1/training-jobs/{job_id}/cancel", headers=b_write)
+        assert cancel.status_code == 404
+        theirs = await c.post(
+            "/v1/training-jobs",
+            json={"model": "a-model", "collection": nat_collection()},
+            headers=b_write,
+        )
+        assert theirs.status_code == 422
+        assert theirs.json()["errors"][0]["path"] == "model"
+        assert (await c.get(f"/v1/training-jobs/{job_id}", headers=a_write)).status_code == 200
+        assert (
+            await c.get(f"/v1/training-jobs/{job_id}/events", headers=a_write)
+        ).status_code == 200
+        listed = (await c.get("/v1/training-jobs", headers=ROOT)).json()["data"]
+        assert [j["id"] for j in listed] == [job_id]
+        assert (await c.get("/v1/rollout-jobs", headers=b_read)).json()["data"] == []
     engine = create_engine(database_url)
     try:
         async with engine.connect() as conn:

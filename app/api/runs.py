@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query, Request, Response
 
 from app.api.body import Reading, json_body, read_json
-from app.api.deps import Cursor, IdempotencyKey, JobId, ModelFilter, Reads, Session
+from app.api.deps import Caller, Cursor, IdempotencyKey, JobId, ModelFilter, Reads, Session
 from app.api.job_events import add_event_routes
 from app.jobs import service as jobs_service
 from app.jobs.lifecycle import JobKind, JobStatus
@@ -33,6 +33,7 @@ async def create(
     request: Request,
     response: Response,
     session: Session,
+    caller: Caller,
     idempotency_key: IdempotencyKey = None,
 ) -> Run:
     job, replayed = await service.create_run(
@@ -40,6 +41,7 @@ async def create(
         job=await read_json(request, READING),
         idempotency_key=idempotency_key,
         settings=request.app.state.settings,
+        project_id=caller.sees,
     )
     await session.commit()
     if replayed:

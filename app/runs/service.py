@@ -170,8 +170,10 @@ async def create_run(
     job: Prepared,
     idempotency_key: str | None,
     settings: Settings,
+    project_id: str | None = None,
 ) -> tuple[JobRow, bool]:
-    """Store a run, its spec and its state (queued); (row, replayed)."""
+    """Store a run, its spec and its state (queued); (row, replayed). `project_id`: the
+    model must be that project's (another's is no such model)."""
     body = job.body
     await begin_write(session)
     if idempotency_key is not None:
@@ -180,6 +182,8 @@ async def create_run(
             return earlier, True
     errors: list[dict[str, Any]] = []
     model = await session.get(ModelRow, body.model)
+    if model is not None and project_id is not None and model.project_id != project_id:
+        model = None  # another project's: as if there were none
     hyperparameters: dict[str, Any] = {}
     if model is None:
         errors.append({"loc": ("model",), "msg": "no such model", "type": "unknown_model"})
