@@ -518,3 +518,36 @@ async def test_an_sft_warm_up_runs_before_the_first_validation_and_rollout(serve
     # The baseline validates the warmed-up step (the warm-up made step 1 of the model).
     assert validations[0]["step"] == job["result"]["final_step"]
     assert validations[0]["data"]["score"] >= 0.5, validations
+
+
+async def test_another_projects_run_is_a_404_on_every_route(serve) -> None:
+    """A key that is not admin sees only its project's runs (issue 28 §2): another's is a
+    404 on every route, absent from lists; a run on another project's model is refused."""
+    async with serve(key_cache_seconds=0) as live:
+        client = live.client
+        await served(client)  # open: no key yet; `demo` is the default project's
+        run_id = (await client.post("/v1/runs", json=inline_run(500))).json()["id"]
+        project = (await client.post("/v1/projects", json={"name": "b"})).json()["id"]
+
+        async def key(*scopes: str, auth: dict[str, str] | None = None) -> dict[str, str]:
+            body = {"name": "k", "scopes": list(scopes)}
+            made = await client.post(f"/v1/projects/{project}/keys", json=body, headers=auth)
+            assert made.status_code == 201, made.text
+            return {"Authorization": f"Bearer {made.json()['secret']}"}
+
+        admin = await key("admin")  # keys exist now: the service asks for one
+        other = await key("write", auth=admin)
+        for path in ("", "/metrics", "/settings", "/events"):
+            answer = await client.get(f"/v1/runs/{run_id}{path}", headers=other)
+            assert answer.status_code == 404, (path, answer.text)
+        for action in ("pause", "resume", "cancel"):
+            answer = await client.post(f"/v1/runs/{run_id}/{action}", headers=other)
+            assert answer.status_code == 404, (action, answer.text)
+        assert (await client.get("/v1/runs", headers=other)).json()["data"] == []
+        refused = await client.post("/v1/runs", json=inline_run(2), headers=other)
+        assert refused.status_code == 422 and refused.json()["errors"][0]["path"] == "model"
+        assert (await client.get(f"/v1/runs/{run_id}", headers=admin)).status_code == 200
+        listed = (await client.get("/v1/runs", headers=admin)).json()["data"]
+        assert [r["id"] for r in listed] == [run_id]
+        cancelled = await client.post(f"/v1/runs/{run_id}/cancel", headers=admin)
+        assert cancelled.status_code == 200

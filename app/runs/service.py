@@ -256,30 +256,36 @@ async def create_run(
 
 
 async def get_run(
-    session: AsyncSession, run_id: str, *, for_update: bool = False
+    session: AsyncSession, run_id: str, *, for_update: bool = False, project_id: str | None = None
 ) -> tuple[JobRow, RunRow]:
-    job = await get_job(session, run_id, kind=RUN, for_update=for_update)
+    """The run; with `project_id`, only if it is that project's (another's: 404)."""
+    job = await get_job(session, run_id, kind=RUN, for_update=for_update, project_id=project_id)
     state = await session.get(RunRow, run_id, with_for_update=for_update or None)
     assert state is not None
     return job, state
 
 
-async def read_run(reader: Reader, run_id: str) -> tuple[JobRow, RunRow]:
-    """A run as a request reads it alone (`Reader`: one trip off the event loop)."""
+async def read_run(
+    reader: Reader, run_id: str, project_id: str | None = None
+) -> tuple[JobRow, RunRow]:
+    """A run as a request reads it alone (`Reader`: one trip off the event loop). With
+    `project_id`: only that project's (another's: 404)."""
     row = await reader.first(
         select(JobRow, RunRow)
         .join(RunRow, RunRow.id == JobRow.id)
         .where(JobRow.id == run_id, JobRow.kind == RUN.value)
     )
-    if row is None:
+    if row is None or (project_id is not None and row[0].project_id != project_id):
         raise NotFoundError(f"no run job {run_id!r}")
     return row[0], row[1]
 
 
-async def set_paused(session: AsyncSession, run_id: str, *, paused: bool) -> tuple[JobRow, RunRow]:
+async def set_paused(
+    session: AsyncSession, run_id: str, *, paused: bool, project_id: str | None = None
+) -> tuple[JobRow, RunRow]:
     """Pause: no new child job starts (the one under way finishes). Resume: go on."""
     await begin_write(session)
-    job, run = await get_run(session, run_id, for_update=True)
+    job, run = await get_run(session, run_id, for_update=True, project_id=project_id)
     current = run_status(JobStatus(job.status), run.paused)
     try:
         write = plan_pause(current, paused=paused, step=decode_state(run.state).step)
@@ -297,6 +303,7 @@ async def list_runs(
     model: str | None,
     after: str | None,
     limit: int,
+    project_id: str | None = None,
 ) -> tuple[list[tuple[JobRow, RunRow]], bool]:
     query = (
         select(JobRow, RunRow)
@@ -305,6 +312,8 @@ async def list_runs(
         .order_by(JobRow.id.desc())
         .limit(limit + 1)
     )
+    if project_id is not None:
+        query = query.where(JobRow.project_id == project_id)
     if status is not None:
         query = query.where(JobRow.status == status.value)
     if model is not None:
