@@ -6,7 +6,7 @@ collection, the shape an agent service polls), CONNECTIONS keep-alive connection
 sending its next request when the last answer is in, for SECONDS.
 baseline: the same load on `GET /healthz`, which reaches the app but no database. Rounds
 alternate the two, so the machine's drift falls on both; the medians are compared.
-Measured twice: with a key from TRAINYARD_API_KEYS, then with a project's `read` key from
+Measured twice: with a key from TRAINYARD_API_KEYS, then with a project's `write` key from
 the database (found by its hash in the edge's cache, `app.tenants.keys.KeyBook`).
 
 The load comes from raw asyncio sockets with each request's bytes made once: an HTTP
@@ -84,18 +84,21 @@ def run() -> dict[str, float]:
         with server(env) as (url, _process):
             headers = {"authorization": f"Bearer {KEY}", "content-type": "application/json"}
             with httpx.Client(base_url=url, headers=headers, timeout=60) as client:
+                # The job is the project's (its key sees only that project's jobs): made
+                # with the project's key, read with it and with the admin key.
+                project = client.post("/v1/projects", json={"name": "bench"}).json()["id"]
+                made = client.post(
+                    f"/v1/projects/{project}/keys", json={"name": "bench", "scopes": ["write"]}
+                )
+                assert made.status_code == 201, made.text[:500]
+                secret = made.json()["secret"]
+                client.headers["authorization"] = f"Bearer {secret}"
                 model = {"name": "bench", "base_model": "b", "backend": "dry-run"}
                 assert client.post("/v1/models", json=model).status_code == 201
                 body = dumps({"model": "bench", "collection": nat_collection(trajectories=16)})
                 created = client.post("/v1/training-jobs", content=body)
                 assert created.status_code == 202, created.text[:500]
                 job_path = f"/v1/training-jobs/{created.json()['id']}"
-                project = client.post("/v1/projects", json={"name": "bench"}).json()["id"]
-                made = client.post(
-                    f"/v1/projects/{project}/keys", json={"name": "bench", "scopes": ["read"]}
-                )
-                assert made.status_code == 201, made.text[:500]
-                secret = made.json()["secret"]
             health, job = asyncio.run(_measure(url, job_path, KEY))
             db_health, db_job = asyncio.run(_measure(url, job_path, secret))
     ratio = statistics.median(job) / statistics.median(health)
