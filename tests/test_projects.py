@@ -426,6 +426,13 @@ async def test_a_key_sees_only_its_projects_models_and_datasets(serve, database_
         listed = (await c.get("/v1/training-jobs", headers=ROOT)).json()["data"]
         assert [j["id"] for j in listed] == [job_id]
         assert (await c.get("/v1/rollout-jobs", headers=b_read)).json()["data"] == []
+        # Its checkpoints, aliases and retention: 404 for another project's key.
+        for path in ("checkpoints", "checkpoints/0", "aliases", "retention"):
+            answer = await c.get(f"/v1/models/a-model/{path}", headers=b_read)
+            assert answer.status_code == 404, (path, answer.text)
+        alias = await c.put("/v1/models/a-model/aliases/x", json={"step": 0}, headers=b_write)
+        assert alias.status_code == 404
+        assert (await c.get("/v1/models/a-model/aliases", headers=a_write)).status_code == 200
     engine = create_engine(database_url)
     try:
         async with engine.connect() as conn:
