@@ -433,6 +433,16 @@ async def test_a_key_sees_only_its_projects_models_and_datasets(serve, database_
         alias = await c.put("/v1/models/a-model/aliases/x", json={"step": 0}, headers=b_write)
         assert alias.status_code == 404
         assert (await c.get("/v1/models/a-model/aliases", headers=a_write)).status_code == 200
+        # The gateway: another project's model does not exist for a `sample` key.
+        chat = {"model": "a-model", "messages": [{"role": "user", "content": "hi"}]}
+        a_sample = bearer((await key(c, a, "sample"))["secret"])
+        b_sample = bearer((await key(c, b, "sample"))["secret"])
+        theirs = await c.post("/openai/v1/chat/completions", json=chat, headers=b_sample)
+        assert theirs.status_code == 404
+        assert theirs.json()["error"]["code"] == "model_not_found"
+        assert "does not exist" in theirs.json()["error"]["message"]
+        mine = await c.post("/openai/v1/chat/completions", json=chat, headers=a_sample)
+        assert "does not exist" not in mine.json()["error"]["message"]  # found: not served
     engine = create_engine(database_url)
     try:
         async with engine.connect() as conn:

@@ -13,6 +13,7 @@ from sqlalchemy import select
 from starlette.background import BackgroundTask
 
 from app.api.body import parse_json
+from app.api.deps import Caller
 from app.backends import SPECS
 from app.backends.openai_chat import (
     MAX_PARTS,
@@ -208,12 +209,18 @@ async def _until_disconnected(request: Request) -> None:
     responses={200: {"description": "The serving endpoint's answer, as it sent it."}, **_ERRORS},
     openapi_extra=_CHAT_BODY,
 )
-async def chat_completions(request: Request) -> Response:
+async def chat_completions(request: Request, caller: Caller) -> Response:
     gateway = _gateway(request)
     try:
         body = await _chat_request(request)
         # A short session: none is held while the endpoint answers.
         async with request.app.state.sessions() as session:
+            if caller.sees is not None:  # a key of one project: only its models
+                row = await session.get(ModelRow, parse_model(body["model"])[0])
+                if row is not None and row.project_id != caller.sees:
+                    requested = body["model"]
+                    message = f"The model `{requested}` does not exist."
+                    raise GatewayError(404, message, "model_not_found")
             route = await gateway.resolve(session, body["model"])
         ticket = gateway.admit(parse_model(body["model"])[0], _tokens(body))
         released_later = False
@@ -258,14 +265,13 @@ async def chat_completions(request: Request) -> Response:
         403: _ERRORS[403],
     },
 )
-async def models(request: Request) -> dict[str, Any]:
+async def models(request: Request, caller: Caller) -> dict[str, Any]:
     serving = [name for name, spec in SPECS.items() if spec.serves]
+    query = select(ModelRow).where(ModelRow.backend.in_(serving)).order_by(ModelRow.name)
+    if caller.sees is not None:  # a key of one project: only its models
+        query = query.where(ModelRow.project_id == caller.sees)
     async with request.app.state.sessions() as session:
-        rows = (
-            await session.scalars(
-                select(ModelRow).where(ModelRow.backend.in_(serving)).order_by(ModelRow.name)
-            )
-        ).all()
+        rows = (await session.scalars(query)).all()
     data = [
         {"id": name, "object": "model", "created": 0, "owned_by": "trainyard"}
         for row in rows
