@@ -527,6 +527,7 @@ async def test_another_projects_run_is_a_404_on_every_route(serve) -> None:
         client = live.client
         await served(client)  # open: no key yet; `demo` is the default project's
         run_id = (await client.post("/v1/runs", json=inline_run(500))).json()["id"]
+        dataset = (await upload(client, toy_lines()))["id"]
         project = (await client.post("/v1/projects", json={"name": "b"})).json()["id"]
 
         async def key(*scopes: str, auth: dict[str, str] | None = None) -> dict[str, str]:
@@ -546,6 +547,9 @@ async def test_another_projects_run_is_a_404_on_every_route(serve) -> None:
         assert (await client.get("/v1/runs", headers=other)).json()["data"] == []
         refused = await client.post("/v1/runs", json=inline_run(2), headers=other)
         assert refused.status_code == 422 and refused.json()["errors"][0]["path"] == "model"
+        theirs = await client.post("/v1/runs", json=run_body(dataset), headers=other)
+        assert theirs.status_code == 422
+        assert "dataset.id" in {e["path"] for e in theirs.json()["errors"]}
         assert (await client.get(f"/v1/runs/{run_id}", headers=admin)).status_code == 200
         listed = (await client.get("/v1/runs", headers=admin)).json()["data"]
         assert [r["id"] for r in listed] == [run_id]

@@ -76,10 +76,15 @@ THREAD_BYTES = 64 * 1024
 
 
 async def _examples(
-    session: AsyncSession, body: RunCreate, errors: list[dict[str, Any]], *, large: bool
+    session: AsyncSession,
+    body: RunCreate,
+    errors: list[dict[str, Any]],
+    *,
+    large: bool,
+    project_id: str | None = None,
 ) -> tuple[dict[str, list[dict[str, Any]]], DatasetRef | None]:
     """The run's examples by split (inline or the dataset's), and the dataset reference
-    with its validation split resolved."""
+    with its validation split resolved. `project_id`: the dataset must be that project's."""
     if body.examples is not None:
         examples = body.examples
         if large:
@@ -88,7 +93,7 @@ async def _examples(
     assert body.dataset is not None
     ref = body.dataset
     try:
-        row = await get_dataset(session, ref.id)
+        row = await get_dataset(session, ref.id, project_id)
     except Exception:
         errors.append(
             {"loc": ("dataset", "id"), "msg": "no such dataset", "type": "unknown_dataset"}
@@ -199,7 +204,7 @@ async def create_run(
     policy = EgressPolicy.from_settings(settings)
     errors += refused_destinations(body.recipe.agent, body.recipe.grader, policy, at=("recipe",))
     large = len(body.examples or ()) > THREAD_EXAMPLES or job.size > THREAD_BYTES
-    splits, ref = await _examples(session, body, errors, large=large)
+    splits, ref = await _examples(session, body, errors, large=large, project_id=project_id)
     if not errors:
         errors += _split_errors(body, splits, ref)
     if errors:
