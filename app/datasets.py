@@ -38,7 +38,7 @@ from app.errors import (
 from app.ingest import jsontext
 from app.ingest.freeing import dispose
 from app.jobs.payloads import compress, decompress
-from app.models import DatasetRow, JobRow
+from app.models import DEFAULT_PROJECT_ID, DatasetRow, JobRow
 from app.schemas.common import FieldError
 from app.schemas.runs import Dataset, DatasetExample
 
@@ -178,13 +178,17 @@ def new_dataset_id() -> str:
 
 
 async def create_dataset(
-    session: AsyncSession, *, name: str, prepared: Prepared
+    session: AsyncSession, *, name: str, prepared: Prepared, project_id: str = DEFAULT_PROJECT_ID
 ) -> tuple[Dataset, bool]:
-    """Store a prepared upload; (dataset, created). The same name and bytes as a stored
-    dataset: that one, not created again."""
+    """Store a prepared upload in `project_id`; (dataset, created). The same name and bytes
+    as a dataset of that project: that one, not created again."""
     await begin_write(session)
     existing = await session.scalar(
-        select(DatasetRow).where(DatasetRow.name == name, DatasetRow.sha256 == prepared.sha256)
+        select(DatasetRow).where(
+            DatasetRow.name == name,
+            DatasetRow.sha256 == prepared.sha256,
+            DatasetRow.project_id == project_id,
+        )
     )
     if existing is not None:
         return to_wire(existing), False
@@ -197,6 +201,7 @@ async def create_dataset(
         payload=prepared.payload,
         payload_bytes=prepared.payload_bytes,
         created_at=utcnow(),
+        project_id=project_id,
     )
     session.add(row)
     await session.flush()
@@ -219,17 +224,27 @@ def to_wire(row: DatasetRow) -> Dataset:
     )
 
 
-async def get_dataset(session: AsyncSession, dataset_id: str) -> DatasetRow:
+async def get_dataset(
+    session: AsyncSession, dataset_id: str, project_id: str | None = None
+) -> DatasetRow:
+    """The dataset; with `project_id`, only if it is that project's (else 404)."""
     row = await session.get(DatasetRow, dataset_id)
-    if row is None:
+    if row is None or (project_id is not None and row.project_id != project_id):
         raise not_found("dataset", dataset_id, param="dataset_id")
     return row
 
 
 async def list_datasets(
-    session: AsyncSession, *, name: str | None, after: str | None, limit: int
+    session: AsyncSession,
+    *,
+    name: str | None,
+    after: str | None,
+    limit: int,
+    project_id: str | None = None,
 ) -> tuple[list[Dataset], bool]:
     query = select(DatasetRow).order_by(DatasetRow.id.desc()).limit(limit + 1)
+    if project_id is not None:
+        query = query.where(DatasetRow.project_id == project_id)
     if name is not None:
         query = query.where(DatasetRow.name == name)
     if after:
@@ -238,10 +253,12 @@ async def list_datasets(
     return [to_wire(r) for r in rows[:limit]], len(rows) > limit
 
 
-async def delete_dataset(session: AsyncSession, dataset_id: str) -> None:
+async def delete_dataset(
+    session: AsyncSession, dataset_id: str, project_id: str | None = None
+) -> None:
     """409 while a run that has not ended reads it."""
     await begin_write(session)
-    row = await get_dataset(session, dataset_id)
+    row = await get_dataset(session, dataset_id, project_id)
     active = await session.scalar(
         select(JobRow.id).where(
             JobRow.kind == "run",

@@ -70,6 +70,12 @@ class ConflictError(ProblemError):
     status, title, slug = 409, "Conflict", "conflict"
 
 
+class ForbiddenError(ProblemError):
+    """The key is valid but lacks a scope (`missing_scope` names it)."""
+
+    status, title, slug = 403, "Forbidden", "missing-scope"
+
+
 class InvalidInputError(ProblemError):
     status, title, slug = 422, "Unprocessable Content", "validation-error"
 

@@ -22,6 +22,7 @@ from app.api import (
     gateway,
     health,
     models,
+    projects,
     rollout_jobs,
     runs,
     tinker,
@@ -35,6 +36,7 @@ from app.metrics import Metrics
 from app.process import Process
 from app.schemas.common import FieldError, Problem, problem_responses
 from app.settings import Settings, get_settings
+from app.tenants import Tenants
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +74,13 @@ def create_app(
         app.state.gateway = process.gateway
         app.state.worker = process.worker
         app.state.tinker = None  # the Tinker surface's state, made on its first request
+        tenants = Tenants(process.engine, settings)  # the edge's keys, the audit log
+        tenants.start()
+        app.state.tenants = tenants
         try:
             yield
         finally:
+            await tenants.close()
             if app.state.tinker is not None:
                 await app.state.tinker.close()
             await process.close()
@@ -128,6 +134,8 @@ def create_app(
         checkpoints.router,
         webhooks.router,
         workers.router,
+        projects.router,
+        projects.audit_router,
         docs.router(app),
         tinker.router,
         dashboard.router(),
@@ -146,6 +154,8 @@ def create_app(
         datasets.router,
         webhooks.router,
         workers.router,
+        projects.router,
+        projects.audit_router,
         gateway.router,
     ]
     _document_problems(app, reading_order, open_paths)
@@ -209,7 +219,8 @@ def _document_problems(app: FastAPI, reading_order: list[APIRouter], open_paths:
 
 BEARER_SCHEME = {
     "type": "http",
-    "description": "A key from TRAINYARD_API_KEYS.",
+    "description": "A key from TRAINYARD_API_KEYS (admin), or a project's key (`ty_…`) "
+    "with its scopes.",
     "scheme": "bearer",
 }
 

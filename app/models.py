@@ -24,6 +24,15 @@ from sqlalchemy.orm import Mapped, mapped_column
 from app.db import Base, JSONType, UTCDateTime, utcnow
 from app.jobs.lifecycle import JobKind, JobStatus
 
+DEFAULT_PROJECT_ID = "proj_default"
+"""The project every row written before projects existed belongs to (migration 0014), and
+the one a new row gets when its writer names none."""
+
+
+def _project_id() -> Mapped[str]:
+    # Migration 0014: NOT NULL, the default project's id as the server default.
+    return mapped_column(String(40), server_default=DEFAULT_PROJECT_ID)
+
 
 class ModelRow(Base):
     """A trainable model: a name on a trainer backend, and where it is served."""
@@ -47,6 +56,7 @@ class ModelRow(Base):
     labels: Mapped[dict[str, str] | None] = mapped_column(JSONType)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
+    project_id: Mapped[str] = _project_id()
 
 
 class ModelAliasRow(Base):
@@ -166,6 +176,7 @@ class JobRow(Base):
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    project_id: Mapped[str] = _project_id()
 
 
 class RunRow(Base):
@@ -183,6 +194,7 @@ class RunRow(Base):
     # the runs with something to do.
     waiting_on: Mapped[str | None] = mapped_column(String(40))
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
+    project_id: Mapped[str] = _project_id()
 
 
 class RunMetricRow(Base):
@@ -211,6 +223,7 @@ class DatasetRow(Base):
     payload: Mapped[bytes] = mapped_column(LargeBinary, deferred=True)
     payload_bytes: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    project_id: Mapped[str] = _project_id()
 
 
 class JobEventRow(Base):
@@ -278,6 +291,7 @@ class WebhookEndpointRow(Base):
     breaker_open_until: Mapped[datetime | None] = mapped_column(UTCDateTime)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
+    project_id: Mapped[str] = _project_id()
 
 
 class WebhookSubscriptionRow(Base):
@@ -409,3 +423,50 @@ class EvaluationResultRow(Base):
     score: Mapped[float | None] = mapped_column(Float)
     error: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class ProjectRow(Base):
+    """A project: what keys, and the rows they make, belong to (migration 0014)."""
+
+    __tablename__ = "projects"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class ApiKeyRow(Base):
+    """A key of a project: only the SHA-256 of its secret is kept (hex), and the secret's
+    first characters to tell keys apart (migration 0014)."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    project_id: Mapped[str] = mapped_column(
+        ForeignKey("projects.id", ondelete="CASCADE"), index=True
+    )
+    name: Mapped[str] = mapped_column(String(128))
+    scopes: Mapped[list[str]] = mapped_column(JSONType)
+    secret_sha256: Mapped[str] = mapped_column(String(64), unique=True)
+    prefix: Mapped[str] = mapped_column(String(16))
+    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    last_used_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class AuditEventRow(Base):
+    """A request that changed something (or tried to): who, what route, its answer
+    (migration 0014). Never a secret, never a body."""
+
+    __tablename__ = "audit_events"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    at: Mapped[datetime] = mapped_column(UTCDateTime, index=True)
+    key_id: Mapped[str | None] = mapped_column(String(40))
+    project_id: Mapped[str | None] = mapped_column(String(40))
+    method: Mapped[str] = mapped_column(String(8))
+    route: Mapped[str] = mapped_column(String(256))
+    resource_id: Mapped[str | None] = mapped_column(String(256))
+    status: Mapped[int] = mapped_column(Integer)
+    request_id: Mapped[str] = mapped_column(String(128))

@@ -72,6 +72,25 @@ class Settings(BaseSettings):
         "metrics endpoints and the API docs stay open either way. A value with no key in it "
         "(`,`, blanks) is refused at start.",
     )
+    key_cache_seconds: float = Field(
+        default=2.0,
+        ge=0,
+        description="How long a process trusts what it read of a project key (and whether "
+        "any key exists) before reading it again: a revoked or expired key is refused "
+        "within this many seconds on every replica. 0: read on every request.",
+    )
+    key_last_used_seconds: float = Field(
+        default=60.0,
+        ge=0,
+        description="A project key's `last_used_at` is written at most this often per key, "
+        "off the request path.",
+    )
+    audit_retention_seconds: float = Field(
+        default=90 * 86400.0,
+        gt=0,
+        description="How long an audit event is kept; workers delete older ones in small "
+        "batches, as they do the webhook log.",
+    )
     max_body_bytes: int = Field(
         default=64 * 1024 * 1024,
         ge=1024,

@@ -31,8 +31,9 @@ from app.rollouts.runner import RUNNER as ROLLOUT
 from app.runs.driver import RunDriver
 from app.runs.schedule import run_of
 from app.settings import Settings
+from app.tenants import audit
 from app.training.runner import RUNNER as TRAINING
-from app.webhooks.sender import WebhookSender
+from app.webhooks.sender import PRUNE_EVERY_SECONDS, WebhookSender
 
 log = logging.getLogger(__name__)
 BACKEND_TIMEOUT = 30.0  # seconds the loop waits on a backend before moving on
@@ -96,6 +97,7 @@ class Worker:
             engine=store.engine, settings=settings, wake=notifier.webhooks
         )
         self._webhooks_task: asyncio.Task[None] | None = None
+        self._audit_task: asyncio.Task[None] | None = None
 
     @property
     def engine(self) -> AsyncEngine:
@@ -118,6 +120,20 @@ class Worker:
         self._webhooks_task = asyncio.create_task(
             self.webhooks.run(self._stopping), name=f"webhooks:{self.id}"
         )
+        self._audit_task = asyncio.create_task(self._prune_audit(), name=f"audit:{self.id}")
+
+    async def _prune_audit(self) -> None:
+        """Delete audit events past TRAINYARD_AUDIT_RETENTION_SECONDS: at start, then every
+        PRUNE_EVERY_SECONDS, as the webhook sender does its log."""
+        while not self._stopping.is_set():
+            try:
+                await audit.prune(
+                    self.engine, self.settings.audit_retention_seconds, stopping=self._stopping
+                )
+            except Exception as exc:  # the next sweep tries again
+                log.warning("audit: pruning failed (%s)", exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), PRUNE_EVERY_SECONDS)
 
     async def _beat(self, *, stopped: bool = False) -> None:
         asked = await self.store.beat_worker(
@@ -246,6 +262,9 @@ class Worker:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._webhooks_task
         await self.webhooks.close()
+        if self._audit_task is not None:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._audit_task
         for lease, task in list(self.tasks.values()):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):

@@ -58,6 +58,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "app.webhooks",
             "app.gateway",
             "app.tinker",
+            "app.tenants",
         ),
     ),
     (

@@ -374,3 +374,46 @@ def test_every_command_and_action_prints_its_help() -> None:
             build_parser().parse_args([*path, "--help"])
         assert exited.value.code == 0, path
         assert out.getvalue().startswith("usage: trainyard-client"), path
+
+
+async def test_projects_keys_and_the_audit_log_from_the_cli(
+    serve: Callable[..., LiveServer],
+) -> None:
+    async with serve(api_keys="cli-key", key_cache_seconds=0) as live:
+
+        def session() -> dict[str, Run]:
+            def cli(*args: str, key: str = "cli-key") -> Run:
+                return run_cli("--json", *args, url=live.url, TRAINYARD_API_KEY=key)
+
+            runs = {"project": cli("projects", "create", "team-a")}
+            project = json.loads(runs["project"].out)["id"]
+            runs["key"] = cli(
+                "projects", "create-key", project, "--name", "ci", "--scope", "read",
+                "--expires-at", "2999-01-01T00:00:00Z",
+            )  # fmt: skip
+            made = json.loads(runs["key"].out)
+            runs["own"] = cli("projects", "get", project, key=made["secret"])
+            runs["refused"] = cli("projects", "create", "team-b", key=made["secret"])
+            runs["list"] = cli("projects", "list")
+            runs["keys"] = cli("projects", "keys", project)
+            runs["revoke"] = cli("projects", "revoke-key", project, made["id"])
+            runs["revoked"] = cli("projects", "get", project, key=made["secret"])
+            runs["audit"] = cli("audit", "--route", "/v1/projects")
+            runs["naive"] = cli("audit", "--since", "2026-01-01T00:00:00")
+            return runs
+
+        runs = await asyncio.to_thread(session)
+    ok = {"project", "key", "own", "list", "keys", "revoke", "audit"}
+    assert all(runs[name].code == EXIT_OK for name in ok), {n: runs[n].err for n in ok}
+    made = json.loads(runs["key"].out)
+    assert made["secret"].startswith("ty_") and made["scopes"] == ["read"]
+    assert json.loads(runs["own"].out)["name"] == "team-a"
+    assert runs["refused"].code == EXIT_REFUSED
+    assert json.loads(runs["refused"].out)["missing_scope"] == "write"  # a read key
+    assert {p["name"] for p in json.loads(runs["list"].out)["data"]} == {"default", "team-a"}
+    listed = json.loads(runs["keys"].out)["data"]
+    assert [k["id"] for k in listed] == [made["id"]] and "secret" not in listed[0]
+    assert runs["revoked"].code == EXIT_REFUSED and "401" in runs["revoked"].err
+    events = json.loads(runs["audit"].out)["data"]
+    assert [(e["method"], e["status"]) for e in events] == [("POST", 403), ("POST", 201)]
+    assert runs["naive"].code != EXIT_OK and "offset" in runs["naive"].err

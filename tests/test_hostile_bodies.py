@@ -628,6 +628,8 @@ def test_no_route_lets_fastapi_read_its_body(tmp_path) -> None:
         "/v1/models/{name}/retention",
         "/v1/webhooks",
         "/v1/webhooks/{endpoint_id}",
+        "/v1/projects",
+        "/v1/projects/{project_id}/keys",
         "/openai/v1/chat/completions",
     }
 

@@ -100,3 +100,49 @@ async def test_0010_fills_each_endpoints_host_from_its_url(empty_database_url: s
         ]
     finally:
         await engine.dispose()
+
+
+async def test_0014_puts_every_row_from_before_in_the_default_project(
+    empty_database_url: str,
+) -> None:
+    """Models, datasets, jobs, runs and webhook endpoints written before projects belong to
+    `default` (`proj_default`), which 0014 creates; new rows with no project get it too."""
+    from sqlalchemy import text
+
+    engine = create_engine(empty_database_url)
+    try:
+        await migrate(engine, "0013")
+        async with engine.begin() as conn:
+            await conn.execute(
+                text(
+                    "INSERT INTO models (name, project, base_model, backend, config,"
+                    " current_step, step_known, created_at, updated_at) VALUES ('m', 'p',"
+                    " 'b', 'dry-run', '{}', 0, false, CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"
+                )
+            )
+            await conn.execute(
+                text(
+                    "INSERT INTO webhook_endpoints (id, url, description, secret, event_types,"
+                    " enabled, created_at, updated_at) VALUES ('wh_a', 'http://h/a', '', 's',"
+                    " '[]', true, CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"
+                )
+            )
+        await migrate(engine)
+        async with engine.connect() as conn:
+            projects = (await conn.execute(text("SELECT id, name FROM projects"))).all()
+            owners = [
+                (await conn.execute(text(f"SELECT project_id FROM {table}"))).scalars().all()
+                for table in ("models", "webhook_endpoints")
+            ]
+        assert [tuple(row) for row in projects] == [("proj_default", "default")]
+        assert owners == [["proj_default"], ["proj_default"]]
+        await migrate(engine, "0013", downgrade=True)  # and back: the columns and tables go
+        async with engine.connect() as conn:
+            tables = await conn.run_sync(_tables)
+            columns = await conn.run_sync(
+                lambda sync: {c["name"] for c in inspect(sync).get_columns("models")}
+            )
+        assert not tables & {"projects", "api_keys", "audit_events"}
+        assert "project_id" not in columns
+    finally:
+        await engine.dispose()

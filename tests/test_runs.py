@@ -546,3 +546,40 @@ async def test_cancelling_an_ended_run_or_job_says_which_and_how_it_ended(serve)
         "resume": (409, f"run {run} already cancelled; it cannot be resumed"),
         "job": (409, f"job {job} already cancelled; it cannot be cancelled"),
     }
+
+
+async def test_another_projects_run_is_a_404_on_every_route(serve) -> None:
+    """A key that is not admin sees only its project's runs (issue 28 §2): another's is a
+    404 on every route, absent from lists; a run on another project's model is refused."""
+    async with serve(key_cache_seconds=0) as live:
+        client = live.client
+        await served(client)  # open: no key yet; `demo` is the default project's
+        run_id = (await client.post("/v1/runs", json=inline_run(500))).json()["id"]
+        dataset = (await upload(client, toy_lines()))["id"]
+        project = (await client.post("/v1/projects", json={"name": "b"})).json()["id"]
+
+        async def key(*scopes: str, auth: dict[str, str] | None = None) -> dict[str, str]:
+            body = {"name": "k", "scopes": list(scopes)}
+            made = await client.post(f"/v1/projects/{project}/keys", json=body, headers=auth)
+            assert made.status_code == 201, made.text
+            return {"Authorization": f"Bearer {made.json()['secret']}"}
+
+        admin = await key("admin")  # keys exist now: the service asks for one
+        other = await key("write", auth=admin)
+        for path in ("", "/metrics", "/settings", "/events"):
+            answer = await client.get(f"/v1/runs/{run_id}{path}", headers=other)
+            assert answer.status_code == 404, (path, answer.text)
+        for action in ("pause", "resume", "cancel"):
+            answer = await client.post(f"/v1/runs/{run_id}/{action}", headers=other)
+            assert answer.status_code == 404, (action, answer.text)
+        assert (await client.get("/v1/runs", headers=other)).json()["data"] == []
+        refused = await client.post("/v1/runs", json=inline_run(2), headers=other)
+        assert refused.status_code == 422 and refused.json()["errors"][0]["path"] == "model"
+        theirs = await client.post("/v1/runs", json=run_body(dataset), headers=other)
+        assert theirs.status_code == 422
+        assert "dataset.id" in {e["path"] for e in theirs.json()["errors"]}
+        assert (await client.get(f"/v1/runs/{run_id}", headers=admin)).status_code == 200
+        listed = (await client.get("/v1/runs", headers=admin)).json()["data"]
+        assert [r["id"] for r in listed] == [run_id]
+        cancelled = await client.post(f"/v1/runs/{run_id}/cancel", headers=admin)
+        assert cancelled.status_code == 200

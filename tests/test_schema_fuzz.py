@@ -83,6 +83,8 @@ POSITIVE_DATA_ACCEPTANCE_OFF = {
     # An evaluation's model must exist and sample, its step or alias too; a dataset's name
     # must name one, with the split.
     "evaluation_jobs-create",
+    # A key's `expires_at` must be in the future.
+    "projects-create_key",
 }
 
 

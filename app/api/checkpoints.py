@@ -5,15 +5,16 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, Iterator
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Path, Query, Request, Response
+from fastapi import APIRouter, Depends, Path, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import iterate_in_threadpool
 from starlette.types import Receive, Scope, Send
 
 from app.api.body import Reading, json_body, read_json
-from app.api.deps import Session
+from app.api.deps import Caller, Session
 from app.backends import Backends
 from app.checkpoints import service
+from app.registry.models import get_model
 from app.schemas.checkpoints import (
     ALIAS_PATTERN,
     BUILTIN_ALIASES,
@@ -31,9 +32,24 @@ from app.schemas.common import NO_NUL, Page, problem_responses
 ALIAS_SET = Reading(AliasSet, lambda body, raw, settings: body)
 RETENTION_POLICY = Reading(RetentionPolicyIn, lambda body, raw, settings: body)
 
-router = APIRouter(prefix="/v1/models", tags=["checkpoints"], responses=problem_responses(401))
-
 Name = Annotated[str, Path(pattern=NO_NUL, description="The model's name.")]
+
+
+async def _callers_model(request: Request, caller: Caller, name: Name) -> None:
+    """A key that is not admin reaches only its project's models' checkpoints, aliases and
+    retention: another project's model is a 404, as a missing one (issue 28 §2)."""
+    if caller.sees is None:
+        return
+    async with request.app.state.sessions() as session:
+        await get_model(session, name=name, project_id=caller.sees)
+
+
+router = APIRouter(
+    prefix="/v1/models",
+    tags=["checkpoints"],
+    responses=problem_responses(401),
+    dependencies=[Depends(_callers_model)],
+)
 Step = Annotated[int, Path(ge=0, le=MAX_STEP, description="A step of the model.")]
 AliasName = Annotated[
     str,

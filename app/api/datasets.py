@@ -9,7 +9,7 @@ from fastapi import APIRouter, Query, Request, Response
 
 from app import datasets as dataset_service
 from app.api.body import off_the_loop
-from app.api.deps import Cursor, JobId, Session
+from app.api.deps import Caller, Cursor, JobId, Session
 from app.errors import InvalidInputError, ProblemError
 from app.ingest.edge import body_of
 from app.schemas.common import FieldError, Page, problem_responses
@@ -66,7 +66,7 @@ DatasetName = Annotated[
     },
 )
 async def upload(
-    request: Request, response: Response, session: Session, name: DatasetName
+    request: Request, response: Response, session: Session, caller: Caller, name: DatasetName
 ) -> Dataset:
     problem = _jsonl_type_problem(request.headers.get("content-type"))
     if problem is not None:
@@ -83,7 +83,9 @@ async def upload(
     )
     if isinstance(outcome, ProblemError):
         raise outcome
-    dataset, created = await dataset_service.create_dataset(session, name=name, prepared=outcome)
+    dataset, created = await dataset_service.create_dataset(
+        session, name=name, prepared=outcome, project_id=caller.owner
+    )
     await session.commit()
     response.status_code = 201 if created else 200
     response.headers["Location"] = f"/v1/datasets/{dataset.id}"
@@ -118,12 +120,13 @@ def _jsonl_type_problem(content_type: str | None) -> FieldError | None:
 @router.get("", name="list", response_model=Page[Dataset], summary="List datasets, newest first")
 async def list_datasets(
     session: Session,
+    caller: Caller,
     name: Annotated[str | None, Query(max_length=128, pattern=r"^[^\x00]*$")] = None,
     after: Cursor = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
 ) -> Page[Dataset]:
     items, has_more = await dataset_service.list_datasets(
-        session, name=name, after=after, limit=limit
+        session, name=name, after=after, limit=limit, project_id=caller.sees
     )
     return Page(data=items, has_more=has_more, next_cursor=items[-1].id if has_more else None)
 
@@ -134,8 +137,9 @@ async def list_datasets(
     summary="Get a dataset",
     responses=problem_responses(404),
 )
-async def get_dataset(dataset_id: JobId, session: Session) -> Dataset:
-    return dataset_service.to_wire(await dataset_service.get_dataset(session, dataset_id))
+async def get_dataset(dataset_id: JobId, session: Session, caller: Caller) -> Dataset:
+    row = await dataset_service.get_dataset(session, dataset_id, caller.sees)
+    return dataset_service.to_wire(row)
 
 
 @router.delete(
@@ -144,7 +148,7 @@ async def get_dataset(dataset_id: JobId, session: Session) -> Dataset:
     summary="Delete a dataset no active run reads",
     responses=problem_responses(404, 409),
 )
-async def delete_dataset(dataset_id: JobId, session: Session) -> Response:
-    await dataset_service.delete_dataset(session, dataset_id)
+async def delete_dataset(dataset_id: JobId, session: Session, caller: Caller) -> Response:
+    await dataset_service.delete_dataset(session, dataset_id, caller.sees)
     await session.commit()
     return Response(status_code=204)

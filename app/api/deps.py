@@ -14,7 +14,10 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.db import Reader
+from app.errors import ForbiddenError
+from app.ingest.edge import principal_of
 from app.schemas.common import NO_NUL
+from app.tenants.keys import Principal
 
 log = logging.getLogger(__name__)
 
@@ -66,3 +69,17 @@ IdempotencyKey = Annotated[
         description="Retrying with the same key and body returns the original job.",
     ),
 ]
+
+
+async def get_caller(request: Request) -> Principal:
+    """The request's principal, as the edge found it (`app.ingest.edge.ApiKeys`)."""
+    return principal_of(request.scope)
+
+
+Caller = Annotated[Principal, Depends(get_caller)]
+"""Who the request is: its key's id, project and scopes."""
+
+
+def require_admin(caller: Principal) -> None:
+    if not caller.admin:
+        raise ForbiddenError("This key lacks the `admin` scope", missing_scope="admin")

@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request, Response
 
 from app.api.body import Reading, json_body, read_json
-from app.api.deps import Cursor, IdempotencyKey, JobId, ModelFilter, Reads, Session
+from app.api.deps import Caller, Cursor, IdempotencyKey, JobId, ModelFilter, Reads, Session
 from app.api.job_events import add_event_routes
 from app.api.workers import with_waits
 from app.evaluations import results, service
@@ -51,6 +51,7 @@ async def create(
     request: Request,
     response: Response,
     session: Session,
+    caller: Caller,
     idempotency_key: IdempotencyKey = None,
 ) -> EvaluationJob:
     settings = request.app.state.settings
@@ -60,6 +61,7 @@ async def create(
         job=await read_json(request, READING),
         max_attempts=settings.max_attempts,
         idempotency_key=idempotency_key,
+        project_id=caller.sees,
     )
     await session.commit()
     if replayed:
@@ -81,6 +83,7 @@ async def create(
 async def list_all(
     request: Request,
     reader: Reads,
+    caller: Caller,
     status: Annotated[JobStatus | None, Query(description="Only jobs in this status.")] = None,
     model: ModelFilter = None,
     after: Cursor = None,
@@ -94,6 +97,7 @@ async def list_all(
         after=after,
         limit=limit,
         metadata=jobs_service.metadata_filters(request.query_params.multi_items()),
+        project_id=caller.sees,
     )
     page = jobs_service.page_of(jobs, has_more, service.to_wire)
     page.data = await with_waits(request, page.data)
@@ -107,8 +111,8 @@ async def list_all(
     summary="Compare two evaluations of the same examples: per-example score deltas (b - a)",
     responses=problem_responses(404, 409, 422),
 )
-async def compare(a: JobRef, b: JobRef, reader: Reads) -> EvaluationComparison:
-    return await results.compare(reader, a, b)
+async def compare(a: JobRef, b: JobRef, reader: Reads, caller: Caller) -> EvaluationComparison:
+    return await results.compare(reader, a, b, caller.sees)
 
 
 @router.get(
@@ -117,8 +121,9 @@ async def compare(a: JobRef, b: JobRef, reader: Reads) -> EvaluationComparison:
     summary="Get an evaluation job",
     responses=problem_responses(404),
 )
-async def get(job_id: JobId, request: Request, reader: Reads) -> EvaluationJob:
-    job = service.to_wire(await jobs_service.read_job(reader, job_id, kind=EVALUATION))
+async def get(job_id: JobId, request: Request, reader: Reads, caller: Caller) -> EvaluationJob:
+    view = await jobs_service.read_job(reader, job_id, kind=EVALUATION, project_id=caller.sees)
+    job = service.to_wire(view)
     return (await with_waits(request, [job]))[0]
 
 
@@ -131,10 +136,12 @@ async def get(job_id: JobId, request: Request, reader: Reads) -> EvaluationJob:
 async def list_results(
     job_id: JobId,
     reader: Reads,
+    caller: Caller,
     after: ResultCursor = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 100,
 ) -> Page[EvaluationResult]:
-    await jobs_service.read_job(reader, job_id, kind=EVALUATION)  # 404 for an unknown job
+    # 404 for an unknown job, or another project's
+    await jobs_service.read_job(reader, job_id, kind=EVALUATION, project_id=caller.sees)
     data, has_more = await results.page(reader, job_id, after=after, limit=limit)
     last = data[-1] if data else None
     cursor = results.cursor_of(last.example, last.sample) if has_more and last else None
@@ -147,8 +154,8 @@ async def list_results(
     summary="An evaluation's scores summed up, overall and per example, from its answers",
     responses=problem_responses(404),
 )
-async def summary(job_id: JobId, reader: Reads) -> EvaluationReport:
-    return await results.report(reader, job_id)
+async def summary(job_id: JobId, reader: Reads, caller: Caller) -> EvaluationReport:
+    return await results.report(reader, job_id, caller.sees)
 
 
 @router.post(
@@ -157,8 +164,10 @@ async def summary(job_id: JobId, reader: Reads) -> EvaluationReport:
     summary="Cancel an evaluation job",
     responses=problem_responses(404, 409),
 )
-async def cancel(job_id: JobId, request: Request, session: Session) -> EvaluationJob:
-    job = await jobs_service.cancel_job(session, job_id, kind=EVALUATION)
+async def cancel(
+    job_id: JobId, request: Request, session: Session, caller: Caller
+) -> EvaluationJob:
+    job = await jobs_service.cancel_job(session, job_id, kind=EVALUATION, project_id=caller.sees)
     await session.commit()
     request.app.state.notifier.events_appended(job.id)
     return service.to_wire(jobs_service.JobView.of(job))

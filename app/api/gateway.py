@@ -13,6 +13,7 @@ from sqlalchemy import select
 from starlette.background import BackgroundTask
 
 from app.api.body import parse_json
+from app.api.deps import Caller
 from app.backends import SPECS
 from app.backends.openai_chat import (
     MAX_PARTS,
@@ -26,14 +27,13 @@ from app.errors import format_path
 from app.gateway import PREFIX, Gateway, GatewayError, parse_model, served_names
 from app.ingest import jsontext
 from app.models import ModelRow
-from app.schemas.common import problem_responses
 
 log = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.2
 # Counted for a request that states no `max_tokens` (the cpu backend's most per answer).
 UNSTATED_MAX_TOKENS = 1024
 
-router = APIRouter(prefix=PREFIX, tags=["gateway"], responses=problem_responses(401))
+router = APIRouter(prefix=PREFIX, tags=["gateway"])
 
 _ENVELOPE = {
     "type": "object",
@@ -54,6 +54,8 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"description": why, "content": {"application/json": {"schema": _ENVELOPE}}}
     for status, why in [
         (400, "The request is not a chat completion request."),
+        (401, "No key, or an unknown, revoked or expired one (`invalid_api_key`)."),
+        (403, "The key lacks the `sample` scope (`missing_scope`)."),
         (
             404,
             "No such model or step, or the model is not served (its backend serves none, "
@@ -207,12 +209,18 @@ async def _until_disconnected(request: Request) -> None:
     responses={200: {"description": "The serving endpoint's answer, as it sent it."}, **_ERRORS},
     openapi_extra=_CHAT_BODY,
 )
-async def chat_completions(request: Request) -> Response:
+async def chat_completions(request: Request, caller: Caller) -> Response:
     gateway = _gateway(request)
     try:
         body = await _chat_request(request)
         # A short session: none is held while the endpoint answers.
         async with request.app.state.sessions() as session:
+            if caller.sees is not None:  # a key of one project: only its models
+                row = await session.get(ModelRow, parse_model(body["model"])[0])
+                if row is not None and row.project_id != caller.sees:
+                    requested = body["model"]
+                    message = f"The model `{requested}` does not exist."
+                    raise GatewayError(404, message, "model_not_found")
             route = await gateway.resolve(session, body["model"])
         ticket = gateway.admit(parse_model(body["model"])[0], _tokens(body))
         released_later = False
@@ -251,16 +259,19 @@ async def chat_completions(request: Request) -> Response:
 @router.get(
     "/models",
     summary="The model names the gateway serves (OpenAI-compatible)",
-    responses={200: {"description": "`{object: list, data: [{id, object, owned_by}]}`"}},
+    responses={
+        200: {"description": "`{object: list, data: [{id, object, owned_by}]}`"},
+        401: _ERRORS[401],
+        403: _ERRORS[403],
+    },
 )
-async def models(request: Request) -> dict[str, Any]:
+async def models(request: Request, caller: Caller) -> dict[str, Any]:
     serving = [name for name, spec in SPECS.items() if spec.serves]
+    query = select(ModelRow).where(ModelRow.backend.in_(serving)).order_by(ModelRow.name)
+    if caller.sees is not None:  # a key of one project: only its models
+        query = query.where(ModelRow.project_id == caller.sees)
     async with request.app.state.sessions() as session:
-        rows = (
-            await session.scalars(
-                select(ModelRow).where(ModelRow.backend.in_(serving)).order_by(ModelRow.name)
-            )
-        ).all()
+        rows = (await session.scalars(query)).all()
     data = [
         {"id": name, "object": "model", "created": 0, "owned_by": "trainyard"}
         for row in rows

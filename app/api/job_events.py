@@ -17,7 +17,7 @@ from fastapi.sse import KEEPALIVE_COMMENT, format_sse_event
 from pydantic import WithJsonSchema
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from app.api.deps import JobId, Session
+from app.api.deps import Caller, JobId, Session
 from app.jobs import events as event_service
 from app.jobs.lifecycle import JobKind, JobStatus
 from app.jobs.service import get_job
@@ -78,12 +78,13 @@ def add_event_routes(router: APIRouter, kind: JobKind) -> None:
     async def events(
         job_id: JobId,
         session: Session,
+        caller: Caller,
         after: Annotated[
             int, Query(ge=0, le=MAX_SEQ, description="Return events with seq > after.")
         ] = 0,
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     ) -> Page[JobEvent]:
-        await get_job(session, job_id, kind=kind, param="job_id")
+        await get_job(session, job_id, kind=kind, param="job_id", project_id=caller.sees)
         items, has_more = await event_service.list_events(session, job_id, after=after, limit=limit)
         return Page(
             data=items,
@@ -94,6 +95,7 @@ def add_event_routes(router: APIRouter, kind: JobKind) -> None:
     async def stream_cursor(
         job_id: JobId,
         request: Request,
+        caller: Caller,
         last_event_id: Annotated[
             int | None,
             # A header is sent or not, never JSON null: without this the schema offers a
@@ -114,7 +116,7 @@ def add_event_routes(router: APIRouter, kind: JobKind) -> None:
         # Runs before the stream starts, so a bad job id is still a plain 404. Its own short
         # session: a request-scoped one would stay open for the whole stream.
         async with request.app.state.sessions() as session:
-            await get_job(session, job_id, kind=kind, param="job_id")
+            await get_job(session, job_id, kind=kind, param="job_id", project_id=caller.sees)
         # A reconnecting EventSource repeats its URL (with any ?after=) and sends the
         # header, which is the newer of the two.
         if last_event_id is not None:

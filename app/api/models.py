@@ -8,7 +8,7 @@ from fastapi import APIRouter, Path, Query, Request, Response
 from pydantic import BaseModel, Field
 
 from app.api.body import Reading, json_body, read_json
-from app.api.deps import Cursor, Session
+from app.api.deps import Caller, Cursor, Session
 from app.backends import SPECS
 from app.gateway import PREFIX as GATEWAY_PREFIX
 from app.registry import models as service
@@ -34,11 +34,12 @@ backends_router = APIRouter(
     },
     openapi_extra=json_body(ModelCreate),
 )
-async def create(request: Request, session: Session, response: Response) -> Model:
+async def create(request: Request, session: Session, caller: Caller, response: Response) -> Model:
     model, created = await service.create_model(
         session,
         body=await read_json(request, READING),
         model_roots=request.app.state.settings.allowed_model_roots(),
+        project_id=caller.owner,
     )
     await session.commit()
     if created:
@@ -58,10 +59,13 @@ async def create(request: Request, session: Session, response: Response) -> Mode
 async def list_all(
     request: Request,
     session: Session,
+    caller: Caller,
     after: Cursor = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
 ) -> Page[Model]:
-    models, has_more = await service.list_models(session, after=after, limit=limit)
+    models, has_more = await service.list_models(
+        session, after=after, limit=limit, project_id=caller.sees
+    )
     return Page(
         data=[_with_gateway(m, request) for m in models],
         has_more=has_more,
@@ -73,9 +77,10 @@ async def list_all(
     "/{name}", response_model=Model, summary="Get a model", responses=problem_responses(404)
 )
 async def get(
-    name: Annotated[str, Path(pattern=NO_NUL)], request: Request, session: Session
+    name: Annotated[str, Path(pattern=NO_NUL)], request: Request, session: Session, caller: Caller
 ) -> Model:
-    return _with_gateway(await service.get_model(session, name=name), request)
+    model = await service.get_model(session, name=name, project_id=caller.sees)
+    return _with_gateway(model, request)
 
 
 def _with_gateway(model: Model, request: Request) -> Model:

@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request, Response
 
 from app.api.body import Reading, json_body, read_json
-from app.api.deps import Cursor, IdempotencyKey, JobId, ModelFilter, Reads, Session
+from app.api.deps import Caller, Cursor, IdempotencyKey, JobId, ModelFilter, Reads, Session
 from app.api.job_events import add_event_routes
 from app.api.workers import with_waits
 from app.egress import EgressPolicy
@@ -37,6 +37,7 @@ async def create(
     request: Request,
     response: Response,
     session: Session,
+    caller: Caller,
     idempotency_key: IdempotencyKey = None,
 ) -> RolloutJob:
     settings = request.app.state.settings
@@ -46,6 +47,7 @@ async def create(
         max_attempts=settings.max_attempts,
         idempotency_key=idempotency_key,
         egress=EgressPolicy.from_settings(settings),
+        project_id=caller.sees,
     )
     await session.commit()
     if replayed:
@@ -67,6 +69,7 @@ async def create(
 async def list_all(
     request: Request,
     reader: Reads,
+    caller: Caller,
     status: Annotated[JobStatus | None, Query(description="Only jobs in this status.")] = None,
     model: ModelFilter = None,
     after: Cursor = None,
@@ -80,6 +83,7 @@ async def list_all(
         after=after,
         limit=limit,
         metadata=jobs_service.metadata_filters(request.query_params.multi_items()),
+        project_id=caller.sees,
     )
     page = jobs_service.page_of(jobs, has_more, service.to_wire)
     page.data = await with_waits(request, page.data)
@@ -92,8 +96,9 @@ async def list_all(
     summary="Get a rollout job",
     responses=problem_responses(404),
 )
-async def get(job_id: JobId, request: Request, reader: Reads) -> RolloutJob:
-    job = service.to_wire(await jobs_service.read_job(reader, job_id, kind=ROLLOUT))
+async def get(job_id: JobId, request: Request, reader: Reads, caller: Caller) -> RolloutJob:
+    view = await jobs_service.read_job(reader, job_id, kind=ROLLOUT, project_id=caller.sees)
+    job = service.to_wire(view)
     return (await with_waits(request, [job]))[0]
 
 
@@ -103,8 +108,8 @@ async def get(job_id: JobId, request: Request, reader: Reads) -> RolloutJob:
     summary="Cancel a rollout job",
     responses=problem_responses(404, 409),
 )
-async def cancel(job_id: JobId, request: Request, session: Session) -> RolloutJob:
-    job = await jobs_service.cancel_job(session, job_id, kind=ROLLOUT)
+async def cancel(job_id: JobId, request: Request, session: Session, caller: Caller) -> RolloutJob:
+    job = await jobs_service.cancel_job(session, job_id, kind=ROLLOUT, project_id=caller.sees)
     await session.commit()
     request.app.state.notifier.events_appended(job.id)
     return service.to_wire(jobs_service.JobView.of(job))
@@ -116,8 +121,8 @@ async def cancel(job_id: JobId, request: Request, session: Session) -> RolloutJo
     summary="The built groups as a NeMo Agent Toolkit TrajectoryCollection",
     responses=problem_responses(404, 409),
 )
-async def trajectories(job_id: JobId, session: Session) -> TrajectoryCollection:
-    job = await jobs_service.get_job(session, job_id, kind=ROLLOUT)
+async def trajectories(job_id: JobId, session: Session, caller: Caller) -> TrajectoryCollection:
+    job = await jobs_service.get_job(session, job_id, kind=ROLLOUT, project_id=caller.sees)
     await session.refresh(job, ["output"])
     return service.to_collection(job)
 

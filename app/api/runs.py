@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query, Request, Response
 
 from app.api.body import Reading, json_body, read_json
-from app.api.deps import Cursor, IdempotencyKey, JobId, ModelFilter, Reads, Session
+from app.api.deps import Caller, Cursor, IdempotencyKey, JobId, ModelFilter, Reads, Session
 from app.api.job_events import add_event_routes
 from app.jobs import service as jobs_service
 from app.jobs.lifecycle import JobKind, JobStatus
@@ -33,6 +33,7 @@ async def create(
     request: Request,
     response: Response,
     session: Session,
+    caller: Caller,
     idempotency_key: IdempotencyKey = None,
 ) -> Run:
     job, replayed = await service.create_run(
@@ -40,6 +41,7 @@ async def create(
         job=await read_json(request, READING),
         idempotency_key=idempotency_key,
         settings=request.app.state.settings,
+        project_id=caller.sees,
     )
     await session.commit()
     if replayed:
@@ -59,13 +61,14 @@ async def create(
 )
 async def list_all(
     reader: Reads,
+    caller: Caller,
     status: Annotated[JobStatus | None, Query(description="Only runs in this status.")] = None,
     model: ModelFilter = None,
     after: Cursor = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
 ) -> Page[Run]:
     rows, has_more = await service.list_runs(
-        reader, status=status, model=model, after=after, limit=limit
+        reader, status=status, model=model, after=after, limit=limit, project_id=caller.sees
     )
     return Page(
         data=[service.to_wire(job, run) for job, run in rows],
@@ -75,12 +78,14 @@ async def list_all(
 
 
 @router.get("/{run_id}", response_model=Run, summary="Get a run", responses=problem_responses(404))
-async def get(run_id: JobId, reader: Reads) -> Run:
-    return service.to_wire(*await service.read_run(reader, run_id))
+async def get(run_id: JobId, reader: Reads, caller: Caller) -> Run:
+    return service.to_wire(*await service.read_run(reader, run_id, caller.sees))
 
 
-async def _set_paused(request: Request, session: Session, run_id: str, paused: bool) -> Run:
-    job, run = await service.set_paused(session, run_id, paused=paused)
+async def _set_paused(
+    request: Request, session: Session, caller: Caller, run_id: str, paused: bool
+) -> Run:
+    job, run = await service.set_paused(session, run_id, paused=paused, project_id=caller.sees)
     await session.commit()
     request.app.state.notifier.events_appended(run_id)
     request.app.state.notifier.jobs_changed()
@@ -93,8 +98,8 @@ async def _set_paused(request: Request, session: Session, run_id: str, paused: b
     summary="Pause a run: the child job under way finishes, no new one starts",
     responses=problem_responses(404, 409),
 )
-async def pause(run_id: JobId, request: Request, session: Session) -> Run:
-    return await _set_paused(request, session, run_id, True)
+async def pause(run_id: JobId, request: Request, session: Session, caller: Caller) -> Run:
+    return await _set_paused(request, session, caller, run_id, True)
 
 
 @router.post(
@@ -103,8 +108,8 @@ async def pause(run_id: JobId, request: Request, session: Session) -> Run:
     summary="Resume a paused run",
     responses=problem_responses(404, 409),
 )
-async def resume(run_id: JobId, request: Request, session: Session) -> Run:
-    return await _set_paused(request, session, run_id, False)
+async def resume(run_id: JobId, request: Request, session: Session, caller: Caller) -> Run:
+    return await _set_paused(request, session, caller, run_id, False)
 
 
 @router.post(
@@ -113,8 +118,8 @@ async def resume(run_id: JobId, request: Request, session: Session) -> Run:
     summary="Cancel a run and the child job under way (a step that lands still counts)",
     responses=problem_responses(404, 409),
 )
-async def cancel(run_id: JobId, request: Request, session: Session) -> Run:
-    await jobs_service.cancel_job(session, run_id, kind=RUN)
+async def cancel(run_id: JobId, request: Request, session: Session, caller: Caller) -> Run:
+    await jobs_service.cancel_job(session, run_id, kind=RUN, project_id=caller.sees)
     await session.commit()
     request.app.state.notifier.events_appended(run_id)
     request.app.state.notifier.jobs_changed()
@@ -130,12 +135,15 @@ async def cancel(run_id: JobId, request: Request, session: Session) -> Run:
 async def metrics(
     run_id: JobId,
     session: Session,
+    caller: Caller,
     kind: Annotated[
         Literal["step", "validation"] | None, Query(description="Only rows of this kind.")
     ] = None,
     after: Annotated[int, Query(ge=0, le=2**31 - 1, description="Rows with seq > after.")] = 0,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> Page[RunMetric]:
+    if caller.sees is not None:  # another project's run: 404
+        await jobs_service.get_job(session, run_id, kind=RUN, project_id=caller.sees)
     items, has_more = await service.metrics(session, run_id, after=after, limit=limit, kind=kind)
     return Page(
         data=items,
@@ -150,7 +158,9 @@ async def metrics(
     summary="A run's settings: recipe, schedule, hyper-parameters, validation (no examples)",
     responses=problem_responses(404),
 )
-async def settings(run_id: JobId, session: Session) -> RunSettings:
+async def settings(run_id: JobId, session: Session, caller: Caller) -> RunSettings:
+    if caller.sees is not None:  # another project's run: 404
+        await jobs_service.get_job(session, run_id, kind=RUN, project_id=caller.sees)
     return await service.run_settings(session, run_id)
 
 

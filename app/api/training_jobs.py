@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request, Response
 
 from app.api.body import Reading, json_body, read_json
-from app.api.deps import Cursor, IdempotencyKey, JobId, ModelFilter, Reads, Session
+from app.api.deps import Caller, Cursor, IdempotencyKey, JobId, ModelFilter, Reads, Session
 from app.api.job_events import add_event_routes
 from app.api.workers import with_waits
 from app.jobs import service as jobs
@@ -60,6 +60,7 @@ async def create(
     request: Request,
     response: Response,
     session: Session,
+    caller: Caller,
     idempotency_key: IdempotencyKey = None,
 ) -> TrainingJob:
     job, replayed = await service.create_training_job(
@@ -67,6 +68,7 @@ async def create(
         job=await read_json(request, READING),
         idempotency_key=idempotency_key,
         max_attempts=request.app.state.settings.max_attempts,
+        project_id=caller.sees,
     )
     await session.commit()
     if not replayed:
@@ -89,6 +91,7 @@ async def create(
 async def list_all(
     request: Request,
     reader: Reads,
+    caller: Caller,
     status: Annotated[JobStatus | None, Query(description="Only jobs in this status.")] = None,
     model: ModelFilter = None,
     after: Cursor = None,
@@ -102,6 +105,7 @@ async def list_all(
         after=after,
         limit=limit,
         metadata=jobs.metadata_filters(request.query_params.multi_items()),
+        project_id=caller.sees,
     )
     page = jobs.page_of(rows, has_more, service.to_wire)
     page.data = await with_waits(request, page.data)
@@ -114,8 +118,9 @@ async def list_all(
     summary="Get a training job",
     responses=problem_responses(404),
 )
-async def get(job_id: JobId, request: Request, reader: Reads) -> TrainingJob:
-    job = service.to_wire(await jobs.read_job(reader, job_id, kind=TRAINING))
+async def get(job_id: JobId, request: Request, reader: Reads, caller: Caller) -> TrainingJob:
+    view = await jobs.read_job(reader, job_id, kind=TRAINING, project_id=caller.sees)
+    job = service.to_wire(view)
     return (await with_waits(request, [job]))[0]
 
 
@@ -125,8 +130,8 @@ async def get(job_id: JobId, request: Request, reader: Reads) -> TrainingJob:
     summary="Cancel a job (queued: at once; running: its worker interrupts it)",
     responses=problem_responses(404, 409),
 )
-async def cancel(job_id: JobId, request: Request, session: Session) -> TrainingJob:
-    job = await jobs.cancel_job(session, job_id, kind=TRAINING)
+async def cancel(job_id: JobId, request: Request, session: Session, caller: Caller) -> TrainingJob:
+    job = await jobs.cancel_job(session, job_id, kind=TRAINING, project_id=caller.sees)
     await session.commit()
     request.app.state.notifier.events_appended(job.id)
     return service.to_wire(jobs.JobView.of(job))
@@ -144,8 +149,10 @@ async def cancel(job_id: JobId, request: Request, session: Session) -> TrainingJ
 async def trajectories(
     job_id: JobId,
     session: Session,
+    caller: Caller,
     shape: Annotated[TrajectoryShape, Query(description="`art` or `nat`.")] = "art",
 ) -> TrainingTrajectories | TrajectoryCollection:
+    await jobs.get_job(session, job_id, kind=TRAINING, project_id=caller.sees)
     return await service.trajectories(session, job_id, shape=shape)
 
 

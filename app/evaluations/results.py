@@ -177,8 +177,8 @@ async def totals(engine: AsyncEngine, job_id: str) -> dict[str, Any]:
         return _totals((await conn.execute(_overall(job_id))).one())
 
 
-async def report(reader: Reader, job_id: str) -> EvaluationReport:
-    job = await read_job(reader, job_id, kind=JobKind.evaluation)
+async def report(reader: Reader, job_id: str, project_id: str | None = None) -> EvaluationReport:
+    job = await read_job(reader, job_id, kind=JobKind.evaluation, project_id=project_id)
     overall = _totals(await reader.row(_overall(job_id)))
     examples = [_example_scores(r) for r in await reader.rows(_per_example(job_id))]
     return EvaluationReport(
@@ -190,11 +190,23 @@ async def report(reader: Reader, job_id: str) -> EvaluationReport:
     )
 
 
-async def compare(reader: Reader, a: str, b: str) -> EvaluationComparison:
+async def compare(
+    reader: Reader, a: str, b: str, project_id: str | None = None
+) -> EvaluationComparison:
     """`b` against `a`: each example's mean score, their delta, wins and losses. 404 for an
-    unknown job; 409 unless both succeeded on the same examples."""
-    job_a = await read_job(reader, a, kind=JobKind.evaluation, param="a", location="query")
-    job_b = await read_job(reader, b, kind=JobKind.evaluation, param="b", location="query")
+    unknown job (or another project's, with `project_id`); 409 unless both succeeded on the
+    same examples."""
+    job_a, job_b = [
+        await read_job(
+            reader,
+            ref,
+            kind=JobKind.evaluation,
+            project_id=project_id,
+            param=param,
+            location="query",
+        )
+        for ref, param in ((a, "a"), (b, "b"))
+    ]
     _comparable(job_a, job_b)
     means_a = {r[0]: _example_scores(r) for r in await reader.rows(_per_example(a))}
     means_b = {r[0]: _example_scores(r) for r in await reader.rows(_per_example(b))}

@@ -54,12 +54,16 @@ def _problem(loc: tuple[Any, ...], msg: str, kind: str) -> dict[str, Any]:
     return {"loc": loc, "msg": msg, "type": kind}
 
 
-async def _step(session: AsyncSession, backends: Backends, requested: str) -> tuple[ModelRow, int]:
+async def _step(
+    session: AsyncSession, backends: Backends, requested: str, project_id: str | None
+) -> tuple[ModelRow, int]:
     """The model and the step `name`, `name@N`, `name@latest` or `name@alias` names now;
-    404 naming `model` for an unknown model, step or alias; 422 for a model whose backend
-    cannot sample."""
+    404 naming `model` for an unknown model (another project's, with `project_id`), step or
+    alias; 422 for a model whose backend cannot sample."""
     name, at, selector = requested.partition("@")
     row = await session.get(ModelRow, name) if name else None
+    if row is not None and project_id is not None and row.project_id != project_id:
+        row = None  # another project's: as if there were none
     if row is None:
         raise NotFoundError(
             f"no model {name!r}",
@@ -99,7 +103,7 @@ async def _step(session: AsyncSession, backends: Backends, requested: str) -> tu
 
 
 async def _examples(
-    session: AsyncSession, job: Prepared
+    session: AsyncSession, job: Prepared, project_id: str | None
 ) -> tuple[list[Example], DatasetRow | None]:
     body = job.body
     if job.examples is not None:
@@ -113,6 +117,8 @@ async def _examples(
     else:
         query = query.where(DatasetRow.name == ref.name).order_by(DatasetRow.id.desc()).limit(1)
         loc = ("dataset", "name")
+    if project_id is not None:
+        query = query.where(DatasetRow.project_id == project_id)
     row = await session.scalar(query)
     if row is None:
         raise NotFoundError(
@@ -160,16 +166,18 @@ async def create_evaluation_job(
     job: Prepared,
     max_attempts: int,
     idempotency_key: str | None = None,
+    project_id: str | None = None,
 ) -> tuple[JobRow, bool]:
-    """Store an evaluation job; (job, replayed). The model's step is resolved now."""
+    """Store an evaluation job; (job, replayed). The model's step is resolved now. With
+    `project_id` (a key that is not admin), only that project's models and datasets."""
     if idempotency_key is not None:
         earlier = await replay(session, idempotency_key, job.request_hash)
         if earlier is not None:
             return earlier, True
     body = job.body
-    model, step = await _step(session, backends, body.model)
+    model, step = await _step(session, backends, body.model, project_id)
     model_name = model.name
-    examples, dataset = await _examples(session, job)
+    examples, dataset = await _examples(session, job, project_id)
     dataset_id = dataset.id if dataset is not None else None
     await session.rollback()  # end the reads: the spec is encoded before the write
     errors = _missing_expected(body, examples)

@@ -6,17 +6,25 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
+import logging
+import re
+import secrets
 from collections.abc import Collection, Sequence
 from typing import Any
 
 from pydantic import SecretStr
 from starlette.datastructures import Headers
 from starlette.requests import Request
+from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import problem_response
 from app.ingest.freeing import AFTER_RESPONSE, dispose
+from app.tenants import Tenants
+from app.tenants.keys import ADMIN, SECRET_PREFIX, Principal
 
+log = logging.getLogger(__name__)
 UNAUTHORIZED_DETAIL = "Missing or invalid API key: send `Authorization: Bearer <key>`"
 _CLOSE = {"Connection": "close"}
 
@@ -68,11 +76,57 @@ def _has_body(headers: Headers) -> bool:
     return "transfer-encoding" in headers or (length is not None and length.strip() != "0")
 
 
+PRINCIPAL = "trainyard.principal"
+"""The scope key under which `ApiKeys` leaves the request's `Principal` (`principal_of`)."""
+GATEWAY_PATHS = "/openai/"
+READS = frozenset({"GET", "HEAD"})
+CHANGES = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+REQUEST_ID = re.compile(r"^[A-Za-z0-9._:/+=-]{1,128}$")
+_SMALL_ANSWER = 65536  # an answer read for the created resource's id, at most
+
+
+def principal_of(scope: Scope) -> Principal:
+    """Who the request is (the edge put it there); ADMIN where no edge ran."""
+    principal = scope.get(PRINCIPAL)
+    return principal if isinstance(principal, Principal) else ADMIN
+
+
+def missing_scope(principal: Principal, method: str, path: str) -> str | None:
+    """The scope this request needs and the key lacks (None: it may go on). What a key may
+    do within projects and keys is the routes' to say (`app.api.deps.Caller`)."""
+    if principal.admin:
+        return None
+    scopes = principal.scopes
+    if path.startswith(GATEWAY_PATHS):
+        return None if "sample" in scopes else "sample"
+    if path.startswith(TINKER_PATHS) or (path.startswith("/v1/workers") and method in CHANGES):
+        return "admin"
+    if method in READS:
+        return None if scopes & {"read", "write"} else "read"
+    return None if "write" in scopes else "write"
+
+
+def _openai_error(status: int, message: str, code: str, headers: dict[str, str]) -> Any:
+    kind = "invalid_request_error" if status == 401 else "permission_error"
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "code": code}},
+        status_code=status,
+        headers=headers,
+    )
+
+
 class ApiKeys:
-    """401 problem+json for a request to a protected path without a valid bearer key,
-    answered from the headers alone: the app never reads the body (the server discards
-    what still arrives of it; `trainyard serve` for at most TRAINYARD_BODY_TIMEOUT_SECONDS).
-    Open: the paths in `open_paths`, exactly."""
+    """Who a request is, from its headers alone, before the app reads a byte of its body
+    (the server discards what still arrives of it; `trainyard serve` for at most
+    TRAINYARD_BODY_TIMEOUT_SECONDS): a key from TRAINYARD_API_KEYS (admin), or a project
+    key (`ty_…`) looked up by its hash in `app.tenants.keys.KeyBook`'s cache. 401 for no
+    key, an unknown, revoked or expired one; 403 naming the scope the key lacks (the
+    gateway answers both in OpenAI's envelope). Without keys in the setting or the
+    database the service is open. Open: the paths in `open_paths`, exactly.
+
+    Every other request gets an `X-Request-ID` (the client's, if sane) in its answer, and
+    one that may change something (POST, PUT, PATCH, DELETE) is recorded in the audit log
+    once answered (`app.tenants.audit`), whatever its answer."""
 
     def __init__(
         self, app: ASGIApp, *, keys: Sequence[SecretStr], open_paths: Collection[str]
@@ -82,24 +136,151 @@ class ApiKeys:
         self.open_paths = frozenset(open_paths)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.keys or _route_path(scope) in self.open_paths:
+        if scope["type"] != "http" or _route_path(scope) in self.open_paths:
             await self.app(scope, receive, send)
             return
+        path = _route_path(scope)
         headers = Headers(scope=scope)
+        tenants: Tenants | None = getattr(getattr(scope.get("app"), "state", None), "tenants", None)
         given = bearer_token(headers.get("authorization"))
-        if given is None and _route_path(scope).startswith(TINKER_PATHS):
+        if given is None and path.startswith(TINKER_PATHS):
             given = headers.get("x-api-key")  # how the Tinker SDK sends its key
-        if key_matches(self.keys, given):
-            await self.app(scope, receive, send)
+        principal: Principal | None = None
+        try:
+            if self.keys and key_matches(self.keys, given):
+                principal = ADMIN
+            elif given is not None and given.startswith(SECRET_PREFIX) and tenants is not None:
+                principal = await tenants.keys.principal(given)
+            if (
+                principal is None
+                and not self.keys
+                and (tenants is None or not await tenants.keys.any_keys())
+            ):
+                principal = ADMIN  # no key anywhere: open, as before projects
+        except Exception as exc:  # the keys could not be read: refuse, never let in
+            log.warning("keys: could not be read (%s)", exc)
+            response = problem_response(
+                503,
+                "Service Unavailable",
+                "The keys could not be read; try again",
+                request=Request(scope),
+                slug="unavailable",
+                headers={"Retry-After": "1"},
+            )
+            await response(scope, receive, send)
             return
-        response = problem_response(
-            401,
-            "Unauthorized",
-            UNAUTHORIZED_DETAIL,
-            request=Request(scope),
-            headers={"WWW-Authenticate": "Bearer"},
-        )
+        request_id = headers.get("x-request-id", "")
+        if not REQUEST_ID.match(request_id):
+            request_id = "req_" + secrets.token_hex(12)
+        method: str = scope["method"]
+        audited = tenants is not None and method in CHANGES
+        answer: dict[str, Any] = {"status": 0}
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                answer["status"] = message["status"]
+                answer["headers"] = message.get("headers", [])
+                message["headers"] = [
+                    *answer["headers"],
+                    (b"x-request-id", request_id.encode()),
+                ]
+            elif (
+                audited
+                and "body" not in answer
+                and answer["status"] in (200, 201, 202)
+                and not message.get("more_body", False)
+                and len(message.get("body", b"")) <= _SMALL_ANSWER
+            ):
+                answer["body"] = message.get("body", b"")
+            await send(message)
+
+        try:
+            if principal is None:
+                await self._refuse(scope, receive, send_with_id, path, 401, None)
+                return
+            scope[PRINCIPAL] = principal
+            lacking = missing_scope(principal, method, path)
+            if lacking is not None:
+                await self._refuse(scope, receive, send_with_id, path, 403, lacking)
+                return
+            await self.app(scope, receive, send_with_id)
+        finally:
+            if audited and answer["status"] and tenants is not None:
+                who = principal or Principal(key_id=None, project_id=None, scopes=frozenset())
+                await tenants.audit.record(
+                    key_id=who.key_id,
+                    project_id=who.project_id,
+                    method=method,
+                    route=_template(scope, path),
+                    resource_id=_resource_id(scope, answer),
+                    status=answer["status"],
+                    request_id=request_id,
+                )
+
+    async def _refuse(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        path: str,
+        status: int,
+        lacking: str | None,
+    ) -> None:
+        if status == 401:
+            detail, code = UNAUTHORIZED_DETAIL, "invalid_api_key"
+            headers = {"WWW-Authenticate": "Bearer"}
+        else:
+            detail, code = f"This key lacks the `{lacking}` scope", "missing_scope"
+            headers = {}
+        if path.startswith(GATEWAY_PATHS):
+            response = _openai_error(status, detail, code, headers)
+        elif status == 401:
+            response = problem_response(
+                401, "Unauthorized", detail, request=Request(scope), headers=headers
+            )
+        else:
+            response = problem_response(
+                403,
+                "Forbidden",
+                detail,
+                request=Request(scope),
+                slug="missing-scope",
+                missing_scope=lacking,
+            )
         await response(scope, receive, send)
+
+
+def _template(scope: Scope, path: str) -> str:
+    route = scope.get("route")
+    template = getattr(route, "path", None)
+    return (template if isinstance(template, str) else path)[:256]
+
+
+def _resource_id(scope: Scope, answer: dict[str, Any]) -> str | None:
+    """The resource a change was made to: the last parameter of its path, else the id in
+    the created resource's `Location`, else the `id` (or `name`) of a small JSON answer."""
+    params = scope.get("path_params") or {}
+    created = _created_id(answer)
+    if params and (answer["status"] != 201 or created is None):
+        return str(list(params.values())[-1])[:256]
+    return created
+
+
+def _created_id(answer: dict[str, Any]) -> str | None:
+    for name, value in answer.get("headers", []):
+        if name.lower() == b"location":
+            return value.decode("latin-1").rstrip("/").rsplit("/", 1)[-1][:256] or None
+    body = answer.get("body")
+    if body:
+        try:
+            data = json.loads(body)
+        except ValueError:
+            return None
+        if isinstance(data, dict):
+            for key in ("id", "name"):
+                if isinstance(data.get(key), str):
+                    return str(data[key])[:256]
+    return None
 
 
 class RequestBody:

@@ -41,8 +41,12 @@ async def get_job(
     kind: JobKind,
     for_update: bool = False,
     param: str | None = None,
+    project_id: str | None = None,
 ) -> JobRow:
+    """The job; with `project_id`, only if it is that project's (another's: 404)."""
     query = select(JobRow).where(JobRow.id == job_id, JobRow.kind == kind.value)
+    if project_id is not None:
+        query = query.where(JobRow.project_id == project_id)
     if for_update:
         query = query.with_for_update()
     job = await session.scalar(query)
@@ -94,14 +98,26 @@ _COLUMNS = JobRow.__mapper__.columns  # by attribute name: table columns, not OR
 _VIEW = select(*(_COLUMNS[name] for name in _VIEW_FIELDS))
 _READ_JOB = _VIEW.where(_COLUMNS["id"] == bindparam("id"), _COLUMNS["kind"] == bindparam("kind"))
 """Built once: building a statement costs more than SQLite takes to run it."""
+_READ_PROJECT_JOB = _READ_JOB.where(_COLUMNS["project_id"] == bindparam("project_id"))
 
 
 async def read_job(
-    reader: Reader, job_id: str, *, kind: JobKind, param: str | None = None, location: str = "path"
+    reader: Reader,
+    job_id: str,
+    *,
+    kind: JobKind,
+    project_id: str | None = None,
+    param: str | None = None,
+    location: str = "path",
 ) -> JobView:
     """A job as a request reads it alone (`Reader.row`: one statement; on SQLite, on the
-    event loop, never waiting for a lock). A 404 names `param` (at `location`) when given."""
-    row = await reader.row(_READ_JOB, {"id": job_id, "kind": kind.value})
+    event loop, never waiting for a lock). With `project_id`: only that project's. A 404
+    names `param` (at `location`) when given."""
+    if project_id is None:
+        row = await reader.row(_READ_JOB, {"id": job_id, "kind": kind.value})
+    else:
+        values = {"id": job_id, "kind": kind.value, "project_id": project_id}
+        row = await reader.row(_READ_PROJECT_JOB, values)
     if row is None:
         if location != "path" and param is not None:
             raise not_found(job_noun(kind), job_id, param=param, location=location)
@@ -118,6 +134,7 @@ async def list_jobs(
     after: str | None,
     limit: int,
     metadata: dict[str, str] | None = None,
+    project_id: str | None = None,
 ) -> tuple[list[JobView], bool]:
     """Newest first. `metadata`: only jobs whose metadata has each key with that value
     (a string; a number matches its JSON text, on both dialects)."""
@@ -126,6 +143,8 @@ async def list_jobs(
     )
     for key, value in (metadata or {}).items():
         query = query.where(_COLUMNS["meta"][key].as_string() == value)
+    if project_id is not None:
+        query = query.where(_COLUMNS["project_id"] == project_id)
     if status is not None:
         query = query.where(_COLUMNS["status"] == status.value)
     if model is not None:
@@ -176,10 +195,12 @@ async def enqueue_once(
         raise ConflictError("a request with this Idempotency-Key is in progress") from exc
 
 
-async def cancel_job(session: AsyncSession, job_id: str, *, kind: JobKind) -> JobRow:
+async def cancel_job(
+    session: AsyncSession, job_id: str, *, kind: JobKind, project_id: str | None = None
+) -> JobRow:
     """Queued: cancelled now. Running: flagged; its worker interrupts it. Finished: 409."""
     await begin_write(session)
-    job = await get_job(session, job_id, kind=kind, for_update=True)
+    job = await get_job(session, job_id, kind=kind, for_update=True, project_id=project_id)
     status = JobStatus(job.status)
     if status.is_final:
         raise ConflictError(

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
 from typing import Any, ClassVar, cast
 
-from sqlalchemy import Row, insert, select, update
+from sqlalchemy import Row, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 
@@ -51,7 +51,7 @@ from app.jobs.outbox import webhook_type
 from app.jobs.payloads import Payload
 from app.jobs.pools import Capabilities
 from app.jobs.statements import RUNNING, jobs, models, workers
-from app.models import JobRow
+from app.models import DEFAULT_PROJECT_ID, JobRow
 
 log = logging.getLogger(__name__)
 # How long a final write keeps trying while the database is away.
@@ -163,6 +163,12 @@ def _row_values(job: NewJob) -> dict[str, Any]:
         "cancel_requested": False,
         "recovered": False,
         "last_event_seq": 1,  # its first event, job_queued
+        # A job belongs to its model's project (migration 0013): a job a job or a run
+        # makes is its parent's project's, as its model is.
+        "project_id": func.coalesce(
+            select(models.c.project_id).where(models.c.name == job.model_name).scalar_subquery(),
+            DEFAULT_PROJECT_ID,
+        ),
     }
 
 

@@ -15,7 +15,7 @@ from app.db import begin_write
 from app.errors import ConflictError, InvalidInputError, field_errors, not_found
 from app.gateway import PREFIX as GATEWAY_PREFIX
 from app.gateway import served_names
-from app.models import ModelRow
+from app.models import DEFAULT_PROJECT_ID, ModelRow
 from app.schemas.models import Model, ModelCreate
 from app.settings import DEFAULT_POOL
 
@@ -70,13 +70,20 @@ def _check_backend(body: ModelCreate, model_roots: Sequence[Path]) -> dict:
 
 
 async def create_model(
-    session: AsyncSession, *, body: ModelCreate, model_roots: Sequence[Path]
+    session: AsyncSession,
+    *,
+    body: ModelCreate,
+    model_roots: Sequence[Path],
+    project_id: str = DEFAULT_PROJECT_ID,
 ) -> tuple[Model, bool]:
-    """Returns (model, created). The same definition again is a no-op; a different one 409.
-    A cpu model's `base_model` must be under `model_roots`."""
+    """Returns (model, created) in `project_id`. The same definition again is a no-op; a
+    different one 409 (names are unique across projects: another project's is a 409 too,
+    which says nothing of it). A cpu model's `base_model` must be under `model_roots`."""
     config = _check_backend(body, model_roots)
     await begin_write(session)
     existing = await session.get(ModelRow, body.name)
+    if existing is not None and existing.project_id != project_id:
+        raise ConflictError(f"the model name {body.name!r} is taken")
     if existing is not None:
         same = (
             existing.project,
@@ -104,6 +111,7 @@ async def create_model(
         config=config,
         current_step=0,
         pool=body.pool,
+        project_id=project_id,
     )
     if body.labels:  # none: SQL NULL (never a JSON null, which a claim would not read)
         row.labels = dict(body.labels)
@@ -112,17 +120,20 @@ async def create_model(
     return to_wire(row), True
 
 
-async def get_model(session: AsyncSession, *, name: str) -> Model:
+async def get_model(session: AsyncSession, *, name: str, project_id: str | None = None) -> Model:
+    """The model; with `project_id`, only if it is that project's (else 404, as missing)."""
     row = await session.get(ModelRow, name)
-    if row is None:
+    if row is None or (project_id is not None and row.project_id != project_id):
         raise not_found("model", name, param="name")
     return to_wire(row)
 
 
 async def list_models(
-    session: AsyncSession, *, after: str | None, limit: int
+    session: AsyncSession, *, after: str | None, limit: int, project_id: str | None = None
 ) -> tuple[list[Model], bool]:
     query = select(ModelRow).order_by(ModelRow.name).limit(limit + 1)
+    if project_id is not None:
+        query = query.where(ModelRow.project_id == project_id)
     if after:
         query = query.where(ModelRow.name > after)
     rows = (await session.scalars(query)).all()

@@ -92,6 +92,7 @@ async def create_rollout_job(
     max_attempts: int,
     idempotency_key: str | None = None,
     egress: EgressPolicy | None = None,
+    project_id: str | None = None,
 ) -> tuple[JobRow, bool]:
     """Store a prepared rollout job; (job, replayed). `egress`: the policy its agent or
     webhook URL must pass (as far as it can be judged before the call: an address literal,
@@ -106,6 +107,8 @@ async def create_rollout_job(
         errors += refused_destinations(body.agent, body.grader, egress)
     # Read the model first, and end that read: the spec is encoded before the write.
     model = await session.get(ModelRow, body.model)
+    if model is not None and project_id is not None and model.project_id != project_id:
+        model = None  # another project's: as if there were none
     backend = model.backend if model is not None else None
     await session.rollback()
     train_hyperparameters: dict[str, Any] = {}

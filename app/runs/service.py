@@ -30,7 +30,7 @@ from app.jobs.payloads import Payload
 from app.jobs.runs import apply_pause
 from app.jobs.service import enqueue_once, get_job, missing_job, replay
 from app.jobs.store import new_job
-from app.models import JobRow, ModelRow, RunMetricRow, RunRow
+from app.models import DEFAULT_PROJECT_ID, JobRow, ModelRow, RunMetricRow, RunRow
 from app.runs import spec
 from app.runs.schedule import initial_state, waiting_id
 from app.runs.state import decode as decode_state
@@ -76,10 +76,15 @@ THREAD_BYTES = 64 * 1024
 
 
 async def _examples(
-    session: AsyncSession, body: RunCreate, errors: list[dict[str, Any]], *, large: bool
+    session: AsyncSession,
+    body: RunCreate,
+    errors: list[dict[str, Any]],
+    *,
+    large: bool,
+    project_id: str | None = None,
 ) -> tuple[dict[str, list[dict[str, Any]]], DatasetRef | None]:
     """The run's examples by split (inline or the dataset's), and the dataset reference
-    with its validation split resolved."""
+    with its validation split resolved. `project_id`: the dataset must be that project's."""
     if body.examples is not None:
         examples = body.examples
         if large:
@@ -88,7 +93,7 @@ async def _examples(
     assert body.dataset is not None
     ref = body.dataset
     try:
-        row = await get_dataset(session, ref.id)
+        row = await get_dataset(session, ref.id, project_id)
     except Exception:
         errors.append(
             {"loc": ("dataset", "id"), "msg": "no such dataset", "type": "unknown_dataset"}
@@ -170,8 +175,10 @@ async def create_run(
     job: Prepared,
     idempotency_key: str | None,
     settings: Settings,
+    project_id: str | None = None,
 ) -> tuple[JobRow, bool]:
-    """Store a run, its spec and its state (queued); (row, replayed)."""
+    """Store a run, its spec and its state (queued); (row, replayed). `project_id`: the
+    model must be that project's (another's is no such model)."""
     body = job.body
     await begin_write(session)
     if idempotency_key is not None:
@@ -180,6 +187,8 @@ async def create_run(
             return earlier, True
     errors: list[dict[str, Any]] = []
     model = await session.get(ModelRow, body.model)
+    if model is not None and project_id is not None and model.project_id != project_id:
+        model = None  # another project's: as if there were none
     hyperparameters: dict[str, Any] = {}
     if model is None:
         errors.append({"loc": ("model",), "msg": "no such model", "type": "unknown_model"})
@@ -195,7 +204,7 @@ async def create_run(
     policy = EgressPolicy.from_settings(settings)
     errors += refused_destinations(body.recipe.agent, body.recipe.grader, policy, at=("recipe",))
     large = len(body.examples or ()) > THREAD_EXAMPLES or job.size > THREAD_BYTES
-    splits, ref = await _examples(session, body, errors, large=large)
+    splits, ref = await _examples(session, body, errors, large=large, project_id=project_id)
     if not errors:
         errors += _split_errors(body, splits, ref)
     if errors:
@@ -243,6 +252,8 @@ async def create_run(
             paused=False,
             state=initial_state(stored.plan()).encode(),
             waiting_on=None,
+            # The job's project: its model's (checked above: the model exists).
+            project_id=model.project_id if model is not None else DEFAULT_PROJECT_ID,
         )
     )
     await session.flush()
@@ -250,30 +261,36 @@ async def create_run(
 
 
 async def get_run(
-    session: AsyncSession, run_id: str, *, for_update: bool = False
+    session: AsyncSession, run_id: str, *, for_update: bool = False, project_id: str | None = None
 ) -> tuple[JobRow, RunRow]:
-    job = await get_job(session, run_id, kind=RUN, for_update=for_update)
+    """The run; with `project_id`, only if it is that project's (another's: 404)."""
+    job = await get_job(session, run_id, kind=RUN, for_update=for_update, project_id=project_id)
     state = await session.get(RunRow, run_id, with_for_update=for_update or None)
     assert state is not None
     return job, state
 
 
-async def read_run(reader: Reader, run_id: str) -> tuple[JobRow, RunRow]:
-    """A run as a request reads it alone (`Reader`: one trip off the event loop)."""
+async def read_run(
+    reader: Reader, run_id: str, project_id: str | None = None
+) -> tuple[JobRow, RunRow]:
+    """A run as a request reads it alone (`Reader`: one trip off the event loop). With
+    `project_id`: only that project's (another's: 404)."""
     row = await reader.first(
         select(JobRow, RunRow)
         .join(RunRow, RunRow.id == JobRow.id)
         .where(JobRow.id == run_id, JobRow.kind == RUN.value)
     )
-    if row is None:
+    if row is None or (project_id is not None and row[0].project_id != project_id):
         raise missing_job(RUN, run_id)
     return row[0], row[1]
 
 
-async def set_paused(session: AsyncSession, run_id: str, *, paused: bool) -> tuple[JobRow, RunRow]:
+async def set_paused(
+    session: AsyncSession, run_id: str, *, paused: bool, project_id: str | None = None
+) -> tuple[JobRow, RunRow]:
     """Pause: no new child job starts (the one under way finishes). Resume: go on."""
     await begin_write(session)
-    job, run = await get_run(session, run_id, for_update=True)
+    job, run = await get_run(session, run_id, for_update=True, project_id=project_id)
     current = run_status(JobStatus(job.status), run.paused)
     if current.is_final:  # as a cancel says it: `run run_x already succeeded; ...`
         verb = "paused" if paused else "resumed"
@@ -294,6 +311,7 @@ async def list_runs(
     model: str | None,
     after: str | None,
     limit: int,
+    project_id: str | None = None,
 ) -> tuple[list[tuple[JobRow, RunRow]], bool]:
     query = (
         select(JobRow, RunRow)
@@ -302,6 +320,8 @@ async def list_runs(
         .order_by(JobRow.id.desc())
         .limit(limit + 1)
     )
+    if project_id is not None:
+        query = query.where(JobRow.project_id == project_id)
     if status is not None:
         query = query.where(JobRow.status == status.value)
     if model is not None:

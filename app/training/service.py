@@ -409,8 +409,10 @@ async def create_training_job(
     job: Prepared,
     idempotency_key: str | None,
     max_attempts: int,
+    project_id: str | None = None,
 ) -> tuple[JobRow, bool]:
     """Store a prepared job with its spec and first event. Returns (job, replayed).
+    `project_id`: the model must be that project's (another's is no such model).
 
     Every problem with the request is reported at once (422); nothing is stored then.
     """
@@ -421,6 +423,8 @@ async def create_training_job(
         if earlier is not None:
             return earlier, True
     model = await session.get(ModelRow, job.model)
+    if model is not None and project_id is not None and model.project_id != project_id:
+        model = None  # another project's: as if there were none
     hyperparameters: dict[str, Any] = {}
     if model is None:
         errors.insert(

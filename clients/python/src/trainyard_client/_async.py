@@ -7,6 +7,7 @@ import builtins
 import contextlib
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import IO, Any, Generic, TypeVar, cast
 
@@ -73,6 +74,8 @@ class AsyncTrainyard:
         self.datasets = Datasets(self)
         self.webhooks = Webhooks(self)
         self.workers = Workers(self)
+        self.projects = Projects(self)
+        self.audit_events = AuditEvents(self)
         self.gateway = Gateway(self)
 
     @property
@@ -781,6 +784,80 @@ class Webhooks(_Resource):
     async def test(self, endpoint_id: str) -> m.WebhookDelivery:
         """Queue a `webhook.test` message for it; a worker sends it."""
         return await self._send(calls.webhooks_test(endpoint_id))
+
+
+class Projects(_Resource):
+    """Projects and their keys (an admin key; a project's key may read its own project)."""
+
+    @operation("projects-create")
+    async def create(self, *, name: str) -> m.Project:
+        return await self._send(calls.projects_create(name))
+
+    @operation("projects-list")
+    async def list(
+        self, *, after: str | None = None, limit: int | None = None
+    ) -> m.Page[m.Project]:
+        return await self._send(calls.projects_list(after=after, limit=limit))
+
+    @operation("projects-get")
+    async def get(self, project_id: str) -> m.Project:
+        return await self._send(calls.projects_get(project_id))
+
+    @operation("projects-create_key")
+    async def create_key(
+        self,
+        project_id: str,
+        *,
+        name: str,
+        scopes: Sequence[str],
+        expires_at: datetime | None = None,
+    ) -> m.ApiKeyCreated:
+        """A key of the project with these scopes (`admin`, `write`, `read`, `sample`); the
+        answer's `secret` is shown only here."""
+        body: dict[str, Any] = {"name": name, "scopes": builtins.list(scopes)}
+        if expires_at is not None:
+            body["expires_at"] = expires_at.isoformat()
+        return await self._send(calls.projects_create_key(project_id, body))
+
+    @operation("projects-list_keys")
+    async def list_keys(
+        self, project_id: str, *, after: str | None = None, limit: int | None = None
+    ) -> m.Page[m.ApiKey]:
+        return await self._send(calls.projects_list_keys(project_id, after=after, limit=limit))
+
+    @operation("projects-revoke_key")
+    async def revoke_key(self, project_id: str, key_id: str) -> None:
+        """Refused on every replica within the server's key cache time."""
+        await self._send(calls.projects_revoke_key(project_id, key_id))
+
+
+class AuditEvents(_Resource):
+    """The audit log (an admin key): every request that could change something."""
+
+    @operation("audit-list")
+    async def list(
+        self,
+        *,
+        after: str | None = None,
+        limit: int | None = None,
+        key_id: str | None = None,
+        project_id: str | None = None,
+        route: str | None = None,
+        since: datetime | None = None,
+        until: datetime | None = None,
+    ) -> m.Page[m.AuditEvent]:
+        """Newest first."""
+        return await self._send(
+            calls.audit_list(
+                after=after,
+                limit=limit,
+                key_id=key_id,
+                project_id=project_id,
+                route=route,
+                since=since,
+                until=until,
+            )
+        )
 
 
 class Workers(_Resource):

@@ -11,6 +11,7 @@ import json
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, Generic, Literal, TypeVar
 from urllib.parse import quote
 
@@ -88,6 +89,13 @@ OPERATIONS: dict[str, tuple[str, str]] = {
     "webhooks-rotate_secret": ("POST", "/v1/webhooks/{endpoint_id}/rotate-secret"),
     "workers-list": ("GET", "/v1/workers"),
     "workers-drain": ("POST", "/v1/workers/{worker_id}/drain"),
+    "projects-create": ("POST", "/v1/projects"),
+    "projects-list": ("GET", "/v1/projects"),
+    "projects-get": ("GET", "/v1/projects/{project_id}"),
+    "projects-create_key": ("POST", "/v1/projects/{project_id}/keys"),
+    "projects-list_keys": ("GET", "/v1/projects/{project_id}/keys"),
+    "projects-revoke_key": ("DELETE", "/v1/projects/{project_id}/keys/{key_id}"),
+    "audit-list": ("GET", "/v1/audit-events"),
     "gateway-chat_completions": ("POST", "/openai/v1/chat/completions"),
     "gateway-models": ("GET", "/openai/v1/models"),
 }
@@ -643,6 +651,65 @@ def webhooks_rotate_secret(
     call = _call("webhooks-rotate_secret", _json(m.WebhookEndpointCreated), endpoint_id=endpoint_id)
     headers = {} if if_match is None else {"If-Match": f'"{if_match}"'}
     return _replace(call, resend=False, headers=headers)
+
+
+# --------------------------------------------------------------------------- projects
+
+
+def projects_create(name: str) -> Call[m.Project]:
+    # A second copy answers 409 (the name is taken): never resent.
+    call = _call("projects-create", _json(m.Project))
+    return _replace(call, json={"name": name}, resend=False)
+
+
+def projects_list(*, after: str | None = None, limit: int | None = None) -> Call[m.Page[m.Project]]:
+    call = _call("projects-list", _json(m.Page[m.Project]))
+    return _replace(call, params=_params(after=after, limit=limit))
+
+
+def projects_get(project_id: str) -> Call[m.Project]:
+    return _call("projects-get", _json(m.Project), project_id=project_id)
+
+
+def projects_create_key(project_id: str, body: Mapping[str, Any]) -> Call[m.ApiKeyCreated]:
+    # A second copy would make a second key (its secret lost): never resent.
+    call = _call("projects-create_key", _json(m.ApiKeyCreated), project_id=project_id)
+    return _replace(call, json=dict(body), resend=False)
+
+
+def projects_list_keys(
+    project_id: str, *, after: str | None = None, limit: int | None = None
+) -> Call[m.Page[m.ApiKey]]:
+    call = _call("projects-list_keys", _json(m.Page[m.ApiKey]), project_id=project_id)
+    return _replace(call, params=_params(after=after, limit=limit))
+
+
+def projects_revoke_key(project_id: str, key_id: str) -> Call[None]:
+    # Revoking twice changes nothing: safe to resend.
+    return _call("projects-revoke_key", _nothing, project_id=project_id, key_id=key_id)
+
+
+def audit_list(
+    *,
+    after: str | None = None,
+    limit: int | None = None,
+    key_id: str | None = None,
+    project_id: str | None = None,
+    route: str | None = None,
+    since: datetime | None = None,
+    until: datetime | None = None,
+) -> Call[m.Page[m.AuditEvent]]:
+    call = _call("audit-list", _json(m.Page[m.AuditEvent]))
+    params = _params(
+        after=after,
+        limit=limit,
+        key_id=key_id,
+        project_id=project_id,
+        route=route,
+        since=None if since is None else since.isoformat(),
+        until=None if until is None else until.isoformat(),
+    )
+    return _replace(call, params=params)
 
 
 # --------------------------------------------------------------------------- workers

@@ -423,6 +423,40 @@ class Dataset(_Wire):
     created_at: datetime
 
 
+class Project(_Wire):
+    id: str
+    name: str
+    created_at: datetime
+
+
+class ApiKey(_Wire):
+    id: str
+    project_id: str
+    name: str
+    scopes: list[str]
+    prefix: str
+    expires_at: datetime | None
+    revoked_at: datetime | None
+    last_used_at: datetime | None
+    created_at: datetime
+
+
+class ApiKeyCreated(ApiKey):
+    secret: str
+
+
+class AuditEvent(_Wire):
+    id: str
+    at: datetime
+    key_id: str | None
+    project_id: str | None
+    method: str
+    route: str
+    resource_id: str | None
+    status: int
+    request_id: str
+
+
 class WebhookEndpointHealth(_Wire):
     breaker: str
     consecutive_timeouts: int

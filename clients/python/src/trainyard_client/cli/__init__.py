@@ -263,6 +263,48 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("dataset_id")
     datasets.set_defaults(run=c.cmd_datasets)
 
+    projects = command("projects", "create, list or show projects; make, list or revoke keys")
+    actions = projects.add_subparsers(dest="action", required=True, metavar="ACTION")
+    create = actions.add_parser("create")
+    _common(create, top=False)
+    create.add_argument("name")
+    listing = actions.add_parser("list")
+    _common(listing, top=False)
+    listing.add_argument("--after")
+    listing.add_argument("--limit", type=int, default=20)
+    get = actions.add_parser("get")
+    _common(get, top=False)
+    get.add_argument("project_id")
+    key = actions.add_parser("create-key", help="the secret is printed once, never again")
+    _common(key, top=False)
+    key.add_argument("project_id")
+    key.add_argument("--name", required=True)
+    key.add_argument(
+        "--scope",
+        dest="scopes",
+        action="append",
+        required=True,
+        choices=["admin", "write", "read", "sample"],
+        help="repeat for several",
+    )
+    key.add_argument("--expires-at", help="an RFC 3339 time with its offset")
+    keys = actions.add_parser("keys", help="the project's keys, never their secrets")
+    _common(keys, top=False)
+    keys.add_argument("project_id")
+    keys.add_argument("--after")
+    keys.add_argument("--limit", type=int, default=20)
+    revoke = actions.add_parser("revoke-key")
+    _common(revoke, top=False)
+    revoke.add_argument("project_id")
+    revoke.add_argument("key_id")
+    projects.set_defaults(run=c.cmd_projects)
+
+    audit = command("audit", "the audit log, newest first (an admin key)")
+    for flag in ("--after", "--key-id", "--project-id", "--route", "--since", "--until"):
+        audit.add_argument(flag)
+    audit.add_argument("--limit", type=int, default=50)
+    audit.set_defaults(run=c.cmd_audit)
+
     command("backends", "trainer backends").set_defaults(run=c.cmd_backends)
     command("health", "whether the server is ready (exit 1 if not)").set_defaults(run=c.cmd_health)
     return parser

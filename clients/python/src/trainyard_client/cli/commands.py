@@ -7,6 +7,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -346,3 +347,83 @@ def cmd_health(out: Output, client: Trainyard, args: argparse.Namespace) -> int:
         rows = [[name, "ok" if c.ok else "FAILING", c.detail] for name, c in ready.checks.items()]
         out.table(["check", "", "detail"], rows, f"{client.url}: {ready.status}")
     return EXIT_OK if ready.status == "ready" else EXIT_FAILED
+
+
+def _when(value: str | None, flag: str) -> datetime | None:
+    if value is None:
+        return None
+    try:
+        when = datetime.fromisoformat(value)
+    except ValueError as exc:
+        raise UsageError(f"{flag} takes an RFC 3339 time, not {value!r}") from exc
+    if when.tzinfo is None:
+        raise UsageError(f"{flag}: give the time's offset (`Z` or `+02:00`)")
+    return when
+
+
+def cmd_projects(out: Output, client: Trainyard, args: argparse.Namespace) -> int:
+    result: Any
+    if args.action == "list":
+        page = client.projects.list(after=args.after, limit=args.limit)
+        if out.json:
+            out.data(page)
+        else:
+            rows = [[p.id, p.name, p.created_at] for p in page.data]
+            out.table(["id", "name", "created"], rows, "projects" + _more(page))
+        return EXIT_OK
+    if args.action == "keys":
+        keys = client.projects.list_keys(args.project_id, after=args.after, limit=args.limit)
+        if out.json:
+            out.data(keys)
+        else:
+            rows = [
+                [k.id, k.name, ",".join(k.scopes), k.prefix, k.expires_at, k.revoked_at]
+                for k in keys.data
+            ]
+            header = ["id", "name", "scopes", "prefix", "expires", "revoked"]
+            out.table(header, rows, "keys" + _more(keys))
+        return EXIT_OK
+    if args.action == "revoke-key":
+        client.projects.revoke_key(args.project_id, args.key_id)
+        if not out.json:
+            out.line(f"revoked {args.key_id}")
+        return EXIT_OK
+    if args.action == "create":
+        result = client.projects.create(name=args.name)
+    elif args.action == "create-key":
+        result = client.projects.create_key(
+            args.project_id,
+            name=args.name,
+            scopes=args.scopes,
+            expires_at=_when(args.expires_at, "--expires-at"),
+        )
+    else:
+        result = client.projects.get(args.project_id)
+    if out.json:
+        out.data(result)
+    else:
+        out.fields(f"{args.action} {result.id}", result.model_dump(mode="json"))
+    return EXIT_OK
+
+
+def cmd_audit(out: Output, client: Trainyard, args: argparse.Namespace) -> int:
+    page = client.audit_events.list(
+        after=args.after,
+        limit=args.limit,
+        key_id=args.key_id,
+        project_id=args.project_id,
+        route=args.route,
+        since=_when(args.since, "--since"),
+        until=_when(args.until, "--until"),
+    )
+    if out.json:
+        out.data(page)
+    else:
+        rows = [
+            [e.at, e.method, e.route, e.status, e.key_id or "-", e.resource_id or "-"]
+            for e in page.data
+        ]
+        out.table(
+            ["at", "method", "route", "status", "key", "resource"], rows, "audit" + _more(page)
+        )
+    return EXIT_OK

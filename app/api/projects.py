@@ -1,0 +1,204 @@
+"""Projects and their keys (admin keys; a key may read its own project), and the audit
+log (admin keys)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Request, Response
+
+from app.api.body import Reading, json_body, read_json
+from app.api.deps import Caller, Cursor, JobId, Session, require_admin
+from app.errors import InvalidInputError, NotFoundError
+from app.schemas.common import NO_NUL, FieldError, Page, problem_responses
+from app.schemas.tenants import (
+    ApiKey,
+    ApiKeyCreate,
+    ApiKeyCreated,
+    AuditEvent,
+    Project,
+    ProjectCreate,
+)
+from app.tenants import Tenants, service
+
+router = APIRouter(prefix="/v1/projects", tags=["projects"], responses=problem_responses(401, 403))
+audit_router = APIRouter(
+    prefix="/v1/audit-events", tags=["audit"], responses=problem_responses(401, 403)
+)
+ProjectId = JobId
+Limit = Annotated[int, Query(ge=1, le=100)]
+
+CREATING = Reading(ProjectCreate, lambda body, raw, settings: body)
+CREATING_KEY = Reading(ApiKeyCreate, lambda body, raw, settings: body)
+
+
+RFC3339 = (
+    r"^[0-9]{4}-[0-9]{2}-[0-9]{2}[Tt][0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]{1,6})?"
+    r"([Zz]|[+-][0-9]{2}:[0-9]{2})$"
+)
+_TIME: dict[str, Any] = {
+    "pattern": RFC3339,
+    "max_length": 40,
+    "json_schema_extra": {"format": "date-time"},
+}
+
+
+def _time(name: str, value: str | None) -> datetime | None:
+    """An RFC 3339 time with its offset (the pattern checked its shape); 422 for a date or
+    time that does not exist."""
+    if value is None:
+        return None
+    try:
+        return datetime.fromisoformat(value.upper())
+    except ValueError:
+        why = "not a real date and time"
+        raise InvalidInputError(
+            f"{name}: {why}",
+            errors=[FieldError(location="query", path=name, message=why, type="datetime")],
+        ) from None
+
+
+def _tenants(request: Request) -> Tenants | None:
+    tenants: Tenants | None = getattr(request.app.state, "tenants", None)
+    return tenants
+
+
+@router.post(
+    "",
+    response_model=Project,
+    status_code=201,
+    summary="Create a project (admin); 409 if its name is taken",
+    responses=problem_responses(409, 413, 422),
+    openapi_extra=json_body(ProjectCreate),
+)
+async def create(request: Request, session: Session, caller: Caller, response: Response) -> Project:
+    require_admin(caller)
+    body = await read_json(request, CREATING)
+    project = await service.create_project(session, body.name)
+    await session.commit()
+    response.headers["Location"] = f"/v1/projects/{project.id}"
+    return project
+
+
+@router.get(
+    "",
+    name="list",
+    response_model=Page[Project],
+    summary="List projects, oldest first (admin)",
+    responses=problem_responses(422),
+)
+async def list_all(
+    session: Session, caller: Caller, after: Cursor = None, limit: Limit = 20
+) -> Page[Project]:
+    require_admin(caller)
+    items, has_more = await service.list_projects(session, after=after, limit=limit)
+    return Page(data=items, has_more=has_more, next_cursor=items[-1].id if has_more else None)
+
+
+@router.get(
+    "/{project_id}",
+    response_model=Project,
+    summary="Get a project (admin, or a key of this project)",
+    responses=problem_responses(404),
+)
+async def get(project_id: ProjectId, session: Session, caller: Caller) -> Project:
+    if not caller.admin and caller.project_id != project_id:
+        raise NotFoundError(f"No project {project_id!r}")  # another's: no existence leak
+    return await service.get_project(session, project_id)
+
+
+@router.post(
+    "/{project_id}/keys",
+    name="create_key",
+    response_model=ApiKeyCreated,
+    status_code=201,
+    summary="Create a key of the project (admin); its secret is in this answer only",
+    responses=problem_responses(404, 413, 422),
+    openapi_extra=json_body(ApiKeyCreate),
+)
+async def create_key(
+    project_id: ProjectId, request: Request, session: Session, caller: Caller, response: Response
+) -> ApiKeyCreated:
+    require_admin(caller)
+    body = await read_json(request, CREATING_KEY)
+    key = await service.create_key(session, project_id, body)
+    await session.commit()
+    if (tenants := _tenants(request)) is not None:
+        tenants.keys.forget()  # this process sees the new key at once
+    response.headers["Location"] = f"/v1/projects/{project_id}/keys/{key.id}"
+    return key
+
+
+@router.get(
+    "/{project_id}/keys",
+    name="list_keys",
+    response_model=Page[ApiKey],
+    summary="List the project's keys, oldest first (admin); never their secrets",
+    responses=problem_responses(404, 422),
+)
+async def list_keys(
+    project_id: ProjectId, session: Session, caller: Caller, after: Cursor = None, limit: Limit = 20
+) -> Page[ApiKey]:
+    require_admin(caller)
+    items, has_more = await service.list_keys(session, project_id, after=after, limit=limit)
+    return Page(data=items, has_more=has_more, next_cursor=items[-1].id if has_more else None)
+
+
+@router.delete(
+    "/{project_id}/keys/{key_id}",
+    name="revoke_key",
+    status_code=204,
+    summary="Revoke a key (admin): refused on every replica within "
+    "`TRAINYARD_KEY_CACHE_SECONDS`; revoking it again changes nothing",
+    responses=problem_responses(404),
+)
+async def revoke_key(
+    project_id: ProjectId, key_id: ProjectId, request: Request, session: Session, caller: Caller
+) -> Response:
+    require_admin(caller)
+    await service.revoke_key(session, project_id, key_id)
+    await session.commit()
+    if (tenants := _tenants(request)) is not None:
+        tenants.keys.forget()
+    return Response(status_code=204)
+
+
+@audit_router.get(
+    "",
+    name="list",
+    response_model=Page[AuditEvent],
+    summary="List audit events, newest first (admin): every request that could change "
+    "something, with its answer's status; kept `TRAINYARD_AUDIT_RETENTION_SECONDS`",
+    responses=problem_responses(422),
+)
+async def list_audit(
+    request: Request,
+    session: Session,
+    caller: Caller,
+    after: Cursor = None,
+    limit: Limit = 50,
+    key_id: Annotated[str | None, Query(pattern=NO_NUL, max_length=40)] = None,
+    project_id: Annotated[str | None, Query(pattern=NO_NUL, max_length=40)] = None,
+    route: Annotated[
+        str | None,
+        Query(pattern=NO_NUL, max_length=256, description="A route template: `/v1/models`."),
+    ] = None,
+    since: Annotated[str | None, Query(**_TIME, description="At or after this time.")] = None,
+    until: Annotated[str | None, Query(**_TIME, description="Before this time.")] = None,
+) -> Page[AuditEvent]:
+    require_admin(caller)
+    since_at, until_at = _time("since", since), _time("until", until)
+    if (tenants := _tenants(request)) is not None:
+        await tenants.audit.flush()  # every answer sent before this one is in the page
+    items, has_more = await service.list_audit(
+        session,
+        after=after,
+        limit=limit,
+        key_id=key_id,
+        project_id=project_id,
+        route=route,
+        since=since_at,
+        until=until_at,
+    )
+    return Page(data=items, has_more=has_more, next_cursor=items[-1].id if has_more else None)
