@@ -323,6 +323,18 @@ def _every_operation(url: str, tiny: Path, workdir: Path) -> set[str]:
         assert worker.pool == "default" and "cpu" in worker.backends and not worker.draining
         drained = client.workers.drain(worker.id)
         assert drained.id == worker.id and drained.drain_requested_at is not None
+
+        # Projects and keys, last: once a key exists the server asks for one.
+        project = client.projects.create(name="sdk-team")
+        assert client.projects.get(project.id) == project
+        assert project.id in {p.id for p in client.projects.list().data}
+        made = client.projects.create_key(project.id, name="ops", scopes=["admin"])
+        with Trainyard(url, http_client=http, retry=FAST, api_key=made.secret) as keyed:
+            [listed_key] = keyed.projects.list_keys(project.id).data
+            assert (listed_key.id, listed_key.scopes) == (made.id, ["admin"])
+            audited = keyed.audit_events.list(project_id=project.id).data
+            assert made.secret not in str([e.model_dump() for e in audited])
+            keyed.projects.revoke_key(project.id, made.id)
     return called
 
 
