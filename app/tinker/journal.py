@@ -23,7 +23,9 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app.db import utcnow
 from app.models import TinkerOperationRow
+from app.schemas.models import TinkerStep
 from app.tinker.futures import Result
+from app.tinker.wire import WireError, read_output_metrics
 
 Sessions = async_sessionmaker[AsyncSession]
 
@@ -195,3 +197,83 @@ async def saved(sessions: Sessions, path: str) -> tuple[str, int] | None:
             )
         ).one_or_none()
     return None if row is None else (row.model_name, row.step)
+
+
+async def steps(
+    session: AsyncSession, model_name: str, *, after: int, limit: int
+) -> tuple[list[TinkerStep], bool]:
+    """The run's optimizer steps after step `after` (at most `limit`, and whether more
+    follow), each with the loss of the `forward_backward` calls it applied: those done after
+    the step before it, in the journal's order. Only done operations count: a step that
+    failed (an error result) trained nothing and is no step; a `forward` computed no
+    gradient. The scan reads the journal's small columns; the results read are the page's."""
+    kinds = ("forward_backward", "optim_step")
+    ops = (
+        await session.execute(
+            select(TinkerOperationRow.seq, TinkerOperationRow.kind, TinkerOperationRow.done_at)
+            .where(
+                TinkerOperationRow.model_name == model_name,
+                TinkerOperationRow.kind.in_(kinds),
+                TinkerOperationRow.result_type.in_(("proto", "json")),
+            )
+            .order_by(TinkerOperationRow.seq)
+        )
+    ).all()
+    # Each step: its optim_step's seq and time, and the forward_backward seqs before it.
+    page: list[tuple[int, int, Any, list[int]]] = []
+    pending: list[int] = []
+    number, has_more = 0, False
+    for op in ops:
+        if op.kind == "forward_backward":
+            pending.append(op.seq)
+            continue
+        number += 1
+        if number > after + limit:
+            has_more = True
+            break
+        if number > after:
+            page.append((number, op.seq, op.done_at, pending))
+        pending = []
+    if not page:
+        return [], has_more
+    low = min([page[0][1], *page[0][3]])
+    read = await session.execute(
+        select(TinkerOperationRow.seq, TinkerOperationRow.result).where(
+            TinkerOperationRow.model_name == model_name,
+            TinkerOperationRow.seq.between(low, page[-1][1]),
+            TinkerOperationRow.kind.in_(kinds),
+        )
+    )
+    results: dict[int, bytes | None] = {row.seq: row.result for row in read}
+    found = []
+    for number, seq, done_at, backward in page:
+        losses = [_loss(results.get(s)) for s in backward]
+        known = [x for x in losses if x is not None]
+        metrics = _optim_metrics(results.get(seq))
+        found.append(
+            TinkerStep(
+                step=number,
+                seq=seq,
+                loss=sum(known) if known else None,
+                forward_backward=len(backward),
+                learning_rate=metrics.get("learning_rate"),
+                metrics=metrics,
+                created_at=done_at,
+            )
+        )
+    return found, has_more
+
+
+def _loss(result: bytes | None) -> float | None:
+    try:
+        return read_output_metrics(result or b"").get("loss:sum")
+    except WireError:
+        return None
+
+
+def _optim_metrics(result: bytes | None) -> dict[str, float]:
+    try:
+        metrics = json.loads(result or b"{}").get("metrics") or {}
+    except (ValueError, AttributeError):
+        return {}
+    return {k: float(v) for k, v in metrics.items() if isinstance(v, int | float)}

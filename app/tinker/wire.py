@@ -185,6 +185,17 @@ def read_forward_backward(buf: bytes) -> ForwardBackwardRequest:
     return request
 
 
+def read_output_metrics(buf: bytes) -> dict[str, float]:
+    """The `metrics` of a `ForwardBackwardOutput` (field 3), its arrays skipped: what the
+    journal's record of a `forward_backward` says of its loss (`loss:sum`)."""
+    metrics: dict[str, float] = {}
+    for number, _, value in _fields(buf):
+        if number == 3:
+            key, number_value = _map_entry(_bytes(value))
+            metrics[key] = struct.unpack("<d", _bytes(number_value))[0]
+    return metrics
+
+
 # -- writing ------------------------------------------------------------------------------
 
 
