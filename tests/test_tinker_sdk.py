@@ -235,6 +235,35 @@ def test_top_k_prompt_logprobs_are_the_models_likeliest_tokens(server: Server) -
     ), got["refused"]
 
 
+def test_custom_losses_take_the_step_the_builtin_loss_takes(server: Server) -> None:
+    """`forward_backward_custom`, with a callable and with `create_custom_loss`'s handle: the
+    SDK runs both on the client (`client/config` leaves `custom_loss_server_side` off), as a
+    `forward` and a `cross_entropy` `forward_backward` weighted by the loss's gradient. With
+    cross-entropy written by hand, each run of the same seed takes the built-in loss's step,
+    `optim_step` submitted before the custom backward is sent included (the SDK sends its
+    requests in order). The SDK needs torch for this; its environment has none, so torch
+    comes from the server's environment, after the SDK's own packages."""
+    torch_dir = Path(__import__("torch").__file__).parents[1]
+    env = sdk_env(server) | {"PYTHONPATH": str(torch_dir)}
+    ran = subprocess.run(
+        [str(PYTHON), "-c", (DATA / "custom.py").read_text()],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert ran.returncode == 0, ran.stdout + ran.stderr + server.tail()
+    result = json.loads(ran.stdout.strip().splitlines()[-1])
+    reported, after = result["reported"], result["after"]
+    loss = reported["builtin"]["loss:sum"]
+    assert reported["callable"]["by_hand"] == pytest.approx(loss, rel=1e-6)
+    assert reported["handle"]["custom/neg_ll:sum"] == pytest.approx(loss, rel=1e-6)
+    assert after["callable"] == pytest.approx(after["builtin"], rel=1e-5), after
+    assert after["handle"] == pytest.approx(after["builtin"], rel=1e-5), after
+    assert after["builtin"] < loss  # the step trained
+
+
 def test_a_training_client_goes_on_through_a_killed_server(server: Server) -> None:
     """SIGKILL between `forward_backward` and `optim_step`: the server started again on the
     same port makes the run again from its journal (the summed gradient included), and the
