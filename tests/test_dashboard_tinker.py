@@ -2,7 +2,8 @@
 `tinker` SDK (its own environment, `.venv-tinker`) against `trainyard serve` over loopback,
 then its model's card links to a page whose loss chart has a point per optimizer step, at
 the loss the SDK got back, and whose learning-rate chart has the rates it asked for; the
-same numbers as `GET /v1/models/{name}/tinker-metrics` pages them.
+same numbers as `GET /v1/models/{name}/tinker-metrics` pages them; a page open while a run
+trains gains its points as the steps land.
 
 The browser and its console checks are `tests/test_dashboard.py`'s; without chromedriver or
 the SDK's environment the module is skipped (under CI, it fails)."""
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,7 +22,7 @@ import pytest
 from tests.test_dashboard import KEY as DASHBOARD_KEY
 from tests.test_dashboard import browser, count, page, screenshot, text, wait  # noqa: F401
 from tests.test_readme import Server
-from tests.test_tinker_sdk import DATA, PYTHON, run_sdk
+from tests.test_tinker_sdk import DATA, PYTHON, run_sdk, sdk_env
 from tests.test_tinker_sdk import KEY as TINKER_KEY  # the SDK's (`tml-`)
 
 pytestmark = [pytest.mark.slow, pytest.mark.torch]
@@ -125,3 +127,38 @@ def test_the_dashboard_draws_a_tinker_runs_losses(
     assert "(4)" in text(page, "[data-chart='loss'] .legend")
     assert "Optimizer steps" in text(page, "[data-page='tinker']")
     screenshot(page, tmp_path, "tinker-run")
+
+
+def test_the_page_gains_a_point_as_a_step_lands(
+    page: Any,  # noqa: F811
+    live: Server,
+    server: tuple[str, httpx.Client],
+) -> None:
+    """The page open on a run that is training: two points, then, as the SDK goes on, the
+    other two, without a reload."""
+    url, _ = server
+    with subprocess.Popen(
+        [str(PYTHON), "-c", (DATA / "steps.py").read_text(), "pause"],
+        env=sdk_env(live),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as sdk:
+        assert sdk.stdin is not None and sdk.stdout is not None
+        first = json.loads(sdk.stdout.readline() or "{}")
+        assert first.get("model_id"), sdk.stderr.read() if sdk.stderr else ""
+        session, _, n = first["model_id"].split(":")
+        page.get(f"{url}/dashboard/#/tinker/tinker-{session}-{n}")
+        loss = "[data-chart='loss'] circle.point"
+        wait(page, lambda d: count(d, loss) == 2, "two points")
+        out, err = sdk.communicate("go on\n", timeout=300)
+    assert sdk.returncode == 0, out + err + live.tail()
+    done = json.loads(out.strip().splitlines()[-1])
+    wait(page, lambda d: count(d, loss) == 4, "four points, without a reload")
+    drawn = page.execute_script(
+        "return [...document.querySelectorAll(arguments[0])].map((c) => Number(c.dataset.y))",
+        loss,
+    )
+    assert drawn == pytest.approx(done["losses"], rel=1e-12)
+    assert drawn[:2] == pytest.approx(first["losses"], rel=1e-12)

@@ -1,11 +1,13 @@
 """A short supervised run through the Tinker SDK for the dashboard: four optimizer steps
 (the second applies two `forward_backward` calls, each step its own learning rate), then a
-`forward_backward` not yet stepped.
+`forward_backward` not yet stepped. With the argument `pause`, it prints the model id after the
+second step and waits for a line on stdin before the third.
 
 Prints one JSON line: the run's model id, and per step the summed `loss:sum` of its
 `forward_backward` results as the SDK got them, and the learning rate asked."""
 
 import json
+import sys
 
 import numpy as np
 import tinker
@@ -30,5 +32,8 @@ for step, rate in enumerate(rates):
         total += training.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"]
     training.optim_step(types.AdamParams(learning_rate=rate)).result()
     losses.append(total)
+    if step == 1 and sys.argv[1:] == ["pause"]:
+        print(json.dumps({"model_id": training.get_info().model_id, "losses": losses}), flush=True)
+        sys.stdin.readline()
 training.forward_backward([datum], "cross_entropy").result()  # not stepped: no point yet
 print(json.dumps({"model_id": training.get_info().model_id, "losses": losses, "rates": rates}))
