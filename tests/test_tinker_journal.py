@@ -17,7 +17,7 @@ import pytest
 from sqlalchemy import func, select
 
 from app.models import TinkerOperationRow
-from app.tinker import wire
+from app.tinker import journal, wire
 from app.tinker.futures import Result
 from app.tinker.service import TinkerService
 from tests.conftest import LiveServer
@@ -140,7 +140,7 @@ async def test_a_retrieve_of_an_unknown_request_is_a_key_error(live: LiveServer)
 
 
 async def test_the_runs_steps_are_paged_from_its_journal_with_their_losses(
-    live: LiveServer, tiny_model: Path
+    live: LiveServer, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`GET /v1/models/{run}/tinker-metrics`: each done `optim_step` a step, with the summed
     `loss:sum` of the `forward_backward` calls done since the step before; a call not yet
@@ -182,6 +182,10 @@ async def test_the_runs_steps_are_paged_from_its_journal_with_their_losses(
     assert [s["loss"] for s in steps] == losses
     assert [s["learning_rate"] for s in steps] == [0.02, 0.01, 0.005]
     assert losses[0] > losses[-1]  # the steps trained
+    # A page is read a slice of steps at a time: the same rows, whatever the slice.
+    monkeypatch.setattr(journal, "STEPS_READ", 2)
+    whole = (await live.client.get(path)).json()
+    assert whole["data"] == steps and not whole["has_more"]
     empty = await live.client.get(path, params={"after": 3})
     assert empty.json() == {"data": [], "has_more": False, "next_cursor": None}
     # A model of another project is no Tinker run.

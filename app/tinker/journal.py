@@ -12,6 +12,7 @@ is not done twice.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -203,10 +204,11 @@ async def steps(
     session: AsyncSession, model_name: str, *, after: int, limit: int
 ) -> tuple[list[TinkerStep], bool]:
     """The run's optimizer steps after step `after` (at most `limit`, and whether more
-    follow), each with the loss of the `forward_backward` calls it applied: those done after
-    the step before it, in the journal's order. Only done operations count: a step that
-    failed (an error result) trained nothing and is no step; a `forward` computed no
-    gradient. The scan reads the journal's small columns; the results read are the page's."""
+        follow), each with the loss of the `forward_backward` calls it applied: those done after
+        the step before it, in the journal's order. Only done operations count: a step that
+        failed (an error result) trained nothing and is no step; a `forward` computed no
+        gradient. The scan reads the journal's small columns; the results read are the page's,
+    `STEPS_READ` steps at a time."""
     kinds = ("forward_backward", "optim_step")
     ops = (
         await session.execute(
@@ -236,15 +238,35 @@ async def steps(
         pending = []
     if not page:
         return [], has_more
+    found: list[TinkerStep] = []
+    for start in range(0, len(page), STEPS_READ):
+        found += await _read_steps(session, model_name, page[start : start + STEPS_READ])
+    return found, has_more
+
+
+# Steps whose results are read in one query: a forward_backward's result holds every token's
+# logprob and loss, so a page is read a slice at a time, and parsed off the event loop.
+STEPS_READ = 32
+
+
+async def _read_steps(
+    session: AsyncSession, model_name: str, page: list[tuple[int, int, Any, list[int]]]
+) -> list[TinkerStep]:
     low = min([page[0][1], *page[0][3]])
     read = await session.execute(
         select(TinkerOperationRow.seq, TinkerOperationRow.result).where(
             TinkerOperationRow.model_name == model_name,
             TinkerOperationRow.seq.between(low, page[-1][1]),
-            TinkerOperationRow.kind.in_(kinds),
+            TinkerOperationRow.kind.in_(("forward_backward", "optim_step")),
         )
     )
     results: dict[int, bytes | None] = {row.seq: row.result for row in read}
+    return await asyncio.to_thread(_steps_of, page, results)
+
+
+def _steps_of(
+    page: list[tuple[int, int, Any, list[int]]], results: dict[int, bytes | None]
+) -> list[TinkerStep]:
     found = []
     for number, seq, done_at, backward in page:
         losses = [_loss(results.get(s)) for s in backward]
@@ -261,7 +283,7 @@ async def steps(
                 created_at=done_at,
             )
         )
-    return found, has_more
+    return found
 
 
 def _loss(result: bytes | None) -> float | None:
