@@ -186,8 +186,11 @@ async def test_the_runs_steps_are_paged_from_its_journal_with_their_losses(
     monkeypatch.setattr(journal, "STEPS_READ", 2)
     whole = (await live.client.get(path)).json()
     assert whole["data"] == steps and not whole["has_more"]
-    empty = await live.client.get(path, params={"after": 3})
-    assert empty.json() == {"data": [], "has_more": False, "next_cursor": None}
+    for after in (3, 99):  # the last step; past the run
+        empty = await live.client.get(path, params={"after": after})
+        assert empty.json() == {"data": [], "has_more": False, "next_cursor": None}
+    middle = (await live.client.get(path, params={"after": 1, "limit": 1})).json()
+    assert middle["data"] == [steps[1]] and middle["next_cursor"] == "2"
     # A model of another project is no Tinker run.
     made = await live.client.post(
         "/v1/models", json={"name": "plain", "base_model": str(tiny_model), "backend": "cpu"}

@@ -204,44 +204,56 @@ async def steps(
     session: AsyncSession, model_name: str, *, after: int, limit: int
 ) -> tuple[list[TinkerStep], bool]:
     """The run's optimizer steps after step `after` (at most `limit`, and whether more
-        follow), each with the loss of the `forward_backward` calls it applied: those done after
-        the step before it, in the journal's order. Only done operations count: a step that
-        failed (an error result) trained nothing and is no step; a `forward` computed no
-        gradient. The scan reads the journal's small columns; the results read are the page's,
+    follow), each with the loss of the `forward_backward` calls it applied: those done after
+    the step before it, in the journal's order. Only done operations count: a step that
+    failed (an error result) trained nothing and is no step; a `forward` computed no
+    gradient. The database finds where step `after` and step `after + limit + 1` are (an
+    index scan, no rows sent), so a page reads the small columns of its own operations alone
+    (a dashboard asking for the steps after its last reads next to nothing); the results,
     `STEPS_READ` steps at a time."""
-    kinds = ("forward_backward", "optim_step")
-    ops = (
-        await session.execute(
-            select(TinkerOperationRow.seq, TinkerOperationRow.kind, TinkerOperationRow.done_at)
-            .where(
-                TinkerOperationRow.model_name == model_name,
-                TinkerOperationRow.kind.in_(kinds),
-                TinkerOperationRow.result_type.in_(("proto", "json")),
-            )
+    done = (
+        TinkerOperationRow.model_name == model_name,
+        TinkerOperationRow.result_type.in_(("proto", "json")),
+    )
+
+    async def optim_seq(number: int) -> int | None:
+        """The journal's seq of the run's `number`th step (from 1)."""
+        found: int | None = await session.scalar(
+            select(TinkerOperationRow.seq)
+            .where(*done, TinkerOperationRow.kind == "optim_step")
             .order_by(TinkerOperationRow.seq)
+            .offset(number - 1)
+            .limit(1)
         )
-    ).all()
-    # Each step: its optim_step's seq and time, and the forward_backward seqs before it.
+        return found
+
+    start = 0 if after == 0 else await optim_seq(after)
+    if start is None:
+        return [], False
+    end = await optim_seq(after + limit + 1)
+    query = select(
+        TinkerOperationRow.seq, TinkerOperationRow.kind, TinkerOperationRow.done_at
+    ).where(
+        *done,
+        TinkerOperationRow.kind.in_(("forward_backward", "optim_step")),
+        TinkerOperationRow.seq > start,
+    )
+    if end is not None:
+        query = query.where(TinkerOperationRow.seq < end)
+    ops = (await session.execute(query.order_by(TinkerOperationRow.seq))).all()
+    # Each step: its number, its optim_step's seq and time, the forward_backward seqs before it.
     page: list[tuple[int, int, Any, list[int]]] = []
     pending: list[int] = []
-    number, has_more = 0, False
     for op in ops:
         if op.kind == "forward_backward":
             pending.append(op.seq)
-            continue
-        number += 1
-        if number > after + limit:
-            has_more = True
-            break
-        if number > after:
-            page.append((number, op.seq, op.done_at, pending))
-        pending = []
-    if not page:
-        return [], has_more
+        else:
+            page.append((after + len(page) + 1, op.seq, op.done_at, pending))
+            pending = []
     found: list[TinkerStep] = []
-    for start in range(0, len(page), STEPS_READ):
-        found += await _read_steps(session, model_name, page[start : start + STEPS_READ])
-    return found, has_more
+    for first in range(0, len(page), STEPS_READ):
+        found += await _read_steps(session, model_name, page[first : first + STEPS_READ])
+    return found, end is not None
 
 
 # Steps whose results are read in one query: a forward_backward's result holds every token's
