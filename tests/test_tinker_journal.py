@@ -17,7 +17,7 @@ import pytest
 from sqlalchemy import func, select
 
 from app.models import TinkerOperationRow
-from app.tinker import wire
+from app.tinker import journal, wire
 from app.tinker.futures import Result
 from app.tinker.service import TinkerService
 from tests.conftest import LiveServer
@@ -137,3 +137,64 @@ async def test_a_retrieve_of_an_unknown_request_is_a_key_error(live: LiveServer)
     service = TinkerService(state.settings, state.sessions, state.backends)
     with pytest.raises(KeyError):
         await service.retrieve("s000000000000:train:0:optim_step:9")
+
+
+async def test_the_runs_steps_are_paged_from_its_journal_with_their_losses(
+    live: LiveServer, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`GET /v1/models/{run}/tinker-metrics`: each done `optim_step` a step, with the summed
+    `loss:sum` of the `forward_backward` calls done since the step before; a call not yet
+    stepped is no point; over HTTP, on each database."""
+    state = live.app.state
+    service = TinkerService(state.settings, state.sessions, state.backends)
+    model_id = await start_run(service, tiny_model)
+    run = (await service.run(model_id)).name
+    losses: list[float] = []
+    seq = 0
+
+    async def backward() -> float:
+        nonlocal seq
+        seq += 1
+        raw = sdk(ENCODE, model_id, str(seq))
+        request_id = await service.forward_backward(wire.read_forward_backward(raw), raw)
+        proto = (await answer(service, request_id)).proto
+        assert proto is not None
+        return wire.read_output_metrics(proto)["loss:sum"]
+
+    async def step(rate: float) -> None:
+        nonlocal seq
+        seq += 1
+        body = {"model_id": model_id, "seq_id": seq, "adam_params": {"learning_rate": rate}}
+        await answer(service, await service.optim_step(body))
+
+    for calls, rate in ((1, 0.02), (2, 0.01), (1, 0.005)):
+        losses.append(sum([await backward() for _ in range(calls)]))
+        await step(rate)
+    await backward()  # not stepped yet
+
+    path = f"/v1/models/{run}/tinker-metrics"
+    first = (await live.client.get(path, params={"limit": 2})).json()
+    assert first["has_more"] and first["next_cursor"] == "2"
+    rest = (await live.client.get(path, params={"after": 2})).json()
+    assert not rest["has_more"]
+    steps = first["data"] + rest["data"]
+    assert [(s["step"], s["forward_backward"]) for s in steps] == [(1, 1), (2, 2), (3, 1)]
+    assert [s["loss"] for s in steps] == losses
+    assert [s["learning_rate"] for s in steps] == [0.02, 0.01, 0.005]
+    assert losses[0] > losses[-1]  # the steps trained
+    # A page is read a slice of steps at a time: the same rows, whatever the slice.
+    monkeypatch.setattr(journal, "STEPS_READ", 2)
+    whole = (await live.client.get(path)).json()
+    assert whole["data"] == steps and not whole["has_more"]
+    for after in (3, 99):  # the last step; past the run
+        empty = await live.client.get(path, params={"after": after})
+        assert empty.json() == {"data": [], "has_more": False, "next_cursor": None}
+    middle = (await live.client.get(path, params={"after": 1, "limit": 1})).json()
+    assert middle["data"] == [steps[1]] and middle["next_cursor"] == "2"
+    # A model of another project is no Tinker run.
+    made = await live.client.post(
+        "/v1/models", json={"name": "plain", "base_model": str(tiny_model), "backend": "cpu"}
+    )
+    assert made.status_code == 201, made.text
+    plain = await live.client.get("/v1/models/plain/tinker-metrics")
+    assert plain.status_code == 404 and "no Tinker training run" in plain.json()["detail"]

@@ -216,6 +216,71 @@ def test_refused_requests_raise_the_sdks_errors(server: Server) -> None:
     assert outcomes["base sample"] == [True, True, True]
 
 
+def test_top_k_prompt_logprobs_are_the_models_likeliest_tokens(server: Server) -> None:
+    """`topk_prompt_logprobs=k` through the SDK: at each prompt position after the first,
+    the k likeliest next tokens and their logprobs as torch computes them directly from the
+    model's own directory; the first position (and, with `prompt_logprobs_last_n`, those
+    before the last N) None; asked without `include_prompt_logprobs`, no prompt logprobs."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    k = 4
+    ran = run_sdk(server, (DATA / "topk.py").read_text(), str(k))
+    assert ran.returncode == 0, ran.stdout + ran.stderr + server.tail()
+    got = json.loads(ran.stdout.strip().splitlines()[-1])
+    tokens = got["tokens"]
+    model = AutoModelForCausalLM.from_pretrained(got["directory"], torch_dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([tokens])).logits[0, :-1].float()
+    table = torch.log_softmax(logits, dim=-1)
+    best = torch.topk(table, k, dim=-1)
+    topk = got["topk"]
+    assert len(topk) == len(tokens) and topk[0] is None
+    for position, row in enumerate(topk[1:]):
+        ids = [token for token, _ in row]
+        assert ids == best.indices[position].tolist(), position
+        assert [lp for _, lp in row] == pytest.approx(best.values[position].tolist(), abs=1e-4)
+        # The prompt's own token, when among the k, has its prompt logprob.
+        if tokens[position + 1] in ids:
+            mine = row[ids.index(tokens[position + 1])][1]
+            assert mine == pytest.approx(got["prompt_logprobs"][position + 1], abs=1e-5)
+    last = got["last"]
+    assert last[:-3] == [None] * (len(tokens) - 3) and last[-3:] == topk[-3:]
+    assert got["alone"] == topk and got["alone_prompt_logprobs"] is None
+    assert (
+        got["refused"].startswith("BadRequestError") and "topk_prompt_logprobs" in got["refused"]
+    ), got["refused"]
+
+
+def test_custom_losses_take_the_step_the_builtin_loss_takes(server: Server) -> None:
+    """`forward_backward_custom`, with a callable and with `create_custom_loss`'s handle: the
+    SDK runs both on the client (`client/config` leaves `custom_loss_server_side` off), as a
+    `forward` and a `cross_entropy` `forward_backward` weighted by the loss's gradient. With
+    cross-entropy written by hand, each run of the same seed takes the built-in loss's step,
+    `optim_step` submitted before the custom backward is sent included (the SDK sends its
+    requests in order). The SDK needs torch for this; its environment has none, so torch
+    comes from the server's environment, after the SDK's own packages."""
+    torch_dir = Path(__import__("torch").__file__).parents[1]
+    env = sdk_env(server) | {"PYTHONPATH": str(torch_dir)}
+    ran = subprocess.run(
+        [str(PYTHON), "-c", (DATA / "custom.py").read_text()],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert ran.returncode == 0, ran.stdout + ran.stderr + server.tail()
+    result = json.loads(ran.stdout.strip().splitlines()[-1])
+    reported, after = result["reported"], result["after"]
+    loss = reported["builtin"]["loss:sum"]
+    assert reported["callable"]["by_hand"] == pytest.approx(loss, rel=1e-6)
+    assert reported["handle"]["custom/neg_ll:sum"] == pytest.approx(loss, rel=1e-6)
+    assert after["callable"] == pytest.approx(after["builtin"], rel=1e-5), after
+    assert after["handle"] == pytest.approx(after["builtin"], rel=1e-5), after
+    assert after["builtin"] < loss  # the step trained
+
+
 def test_a_training_client_goes_on_through_a_killed_server(server: Server) -> None:
     """SIGKILL between `forward_backward` and `optim_step`: the server started again on the
     same port makes the run again from its journal (the summed gradient included), and the

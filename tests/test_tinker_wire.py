@@ -111,6 +111,8 @@ def test_what_trainyard_writes_the_sdk_decodes(tmp_path: Path) -> None:
     sample.write_bytes(wire.write_sample_response(sequences))
     decoded = json.loads(sdk(DECODE, str(fb), str(sample)))
     assert decoded["type"] == "ArrayRecord" and decoded["metrics"] == {"loss:sum": 3.75}
+    # What the journal reads back of it (the dashboard's loss): the metrics alone.
+    assert wire.read_output_metrics(fb.read_bytes()) == decoded["metrics"]
     assert decoded["outputs"] == [
         {"logprobs": ["float32", [2], [-1.0, -2.5]], "elementwise_loss": ["float32", [2], [0, 0]]},
         {"logprobs": ["float32", [1], [-0.25]], "elementwise_loss": ["float32", [1], [1.0]]},

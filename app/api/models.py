@@ -10,10 +10,14 @@ from pydantic import BaseModel, Field
 from app.api.body import Reading, json_body, read_json
 from app.api.deps import Caller, Cursor, Session
 from app.backends import SPECS
+from app.errors import NotFoundError
 from app.gateway import PREFIX as GATEWAY_PREFIX
+from app.models import ModelRow
 from app.registry import models as service
 from app.schemas.common import NO_NUL, Page, problem_responses
-from app.schemas.models import Model, ModelCreate
+from app.schemas.models import Model, ModelCreate, TinkerStep
+from app.tinker import journal
+from app.tinker.listing import PROJECT as TINKER_PROJECT
 
 READING = Reading(ModelCreate, lambda body, raw, settings: body)
 
@@ -81,6 +85,33 @@ async def get(
 ) -> Model:
     model = await service.get_model(session, name=name, project_id=caller.sees)
     return _with_gateway(model, request)
+
+
+@router.get(
+    "/{name}/tinker-metrics",
+    response_model=Page[TinkerStep],
+    summary="A Tinker training run's curves: one row per optimizer step",
+    description="The model of a Tinker training run (project `tinker`, made by the Tinker "
+    "SDK's `create_lora_training_client`): its `optim_step`s in order, each with the summed "
+    "`loss:sum` of the `forward_backward` calls it applied and its learning rate, read from "
+    "the run's journal. Pass `next_cursor` as `after` for the next page.",
+    responses=problem_responses(404, 422),
+)
+async def tinker_metrics(
+    name: Annotated[str, Path(pattern=NO_NUL)],
+    session: Session,
+    after: Annotated[int, Query(ge=0, le=2**31 - 1, description="Steps after this one.")] = 0,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> Page[TinkerStep]:
+    row = await session.get(ModelRow, name)
+    if row is None or row.project != TINKER_PROJECT:
+        raise NotFoundError(f"no Tinker training run named {name!r} (a model of project 'tinker')")
+    items, has_more = await journal.steps(session, name, after=after, limit=limit)
+    return Page(
+        data=items,
+        has_more=has_more,
+        next_cursor=str(items[-1].step) if has_more and items else None,
+    )
 
 
 def _with_gateway(model: Model, request: Request) -> Model:

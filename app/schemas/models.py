@@ -94,3 +94,21 @@ class Model(BaseModel):
     )
     created_at: datetime
     updated_at: datetime
+
+
+class TinkerStep(BaseModel):
+    """A point of a Tinker training run's curves: one `optim_step` and the
+    `forward_backward` calls whose gradients it applied (those done since the step before)."""
+
+    step: int = Field(description="The run's optimizer step, from 1 (its done `optim_step`s).")
+    seq: int = Field(description="The `optim_step`'s place in the run's journal.")
+    loss: float | None = Field(
+        description="The sum of `loss:sum` over the step's `forward_backward` results (summed "
+        "over tokens and datums, as Tinker reports it); null when none preceded the step."
+    )
+    forward_backward: int = Field(description="How many `forward_backward` calls it applied.")
+    learning_rate: float | None = Field(description="The step's AdamW learning rate.")
+    metrics: dict[str, float] = Field(
+        description="What `optim_step` returned (`learning_rate`, `grad_norm` when clipped)."
+    )
+    created_at: datetime = Field(description="When the step was done.")

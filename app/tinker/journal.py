@@ -12,6 +12,7 @@ is not done twice.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -23,7 +24,9 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app.db import utcnow
 from app.models import TinkerOperationRow
+from app.schemas.models import TinkerStep
 from app.tinker.futures import Result
+from app.tinker.wire import WireError, read_output_metrics
 
 Sessions = async_sessionmaker[AsyncSession]
 
@@ -195,3 +198,116 @@ async def saved(sessions: Sessions, path: str) -> tuple[str, int] | None:
             )
         ).one_or_none()
     return None if row is None else (row.model_name, row.step)
+
+
+async def steps(
+    session: AsyncSession, model_name: str, *, after: int, limit: int
+) -> tuple[list[TinkerStep], bool]:
+    """The run's optimizer steps after step `after` (at most `limit`, and whether more
+    follow), each with the loss of the `forward_backward` calls it applied: those done after
+    the step before it, in the journal's order. Only done operations count: a step that
+    failed (an error result) trained nothing and is no step; a `forward` computed no
+    gradient. The database finds where step `after` and step `after + limit + 1` are (an
+    index scan, no rows sent), so a page reads the small columns of its own operations alone
+    (a dashboard asking for the steps after its last reads next to nothing); the results,
+    `STEPS_READ` steps at a time."""
+    done = (
+        TinkerOperationRow.model_name == model_name,
+        TinkerOperationRow.result_type.in_(("proto", "json")),
+    )
+
+    async def optim_seq(number: int) -> int | None:
+        """The journal's seq of the run's `number`th step (from 1)."""
+        found: int | None = await session.scalar(
+            select(TinkerOperationRow.seq)
+            .where(*done, TinkerOperationRow.kind == "optim_step")
+            .order_by(TinkerOperationRow.seq)
+            .offset(number - 1)
+            .limit(1)
+        )
+        return found
+
+    start = 0 if after == 0 else await optim_seq(after)
+    if start is None:
+        return [], False
+    end = await optim_seq(after + limit + 1)
+    query = select(
+        TinkerOperationRow.seq, TinkerOperationRow.kind, TinkerOperationRow.done_at
+    ).where(
+        *done,
+        TinkerOperationRow.kind.in_(("forward_backward", "optim_step")),
+        TinkerOperationRow.seq > start,
+    )
+    if end is not None:
+        query = query.where(TinkerOperationRow.seq < end)
+    ops = (await session.execute(query.order_by(TinkerOperationRow.seq))).all()
+    # Each step: its number, its optim_step's seq and time, the forward_backward seqs before it.
+    page: list[tuple[int, int, Any, list[int]]] = []
+    pending: list[int] = []
+    for op in ops:
+        if op.kind == "forward_backward":
+            pending.append(op.seq)
+        else:
+            page.append((after + len(page) + 1, op.seq, op.done_at, pending))
+            pending = []
+    found: list[TinkerStep] = []
+    for first in range(0, len(page), STEPS_READ):
+        found += await _read_steps(session, model_name, page[first : first + STEPS_READ])
+    return found, end is not None
+
+
+# Steps whose results are read in one query: a forward_backward's result holds every token's
+# logprob and loss, so a page is read a slice at a time, and parsed off the event loop.
+STEPS_READ = 32
+
+
+async def _read_steps(
+    session: AsyncSession, model_name: str, page: list[tuple[int, int, Any, list[int]]]
+) -> list[TinkerStep]:
+    low = min([page[0][1], *page[0][3]])
+    read = await session.execute(
+        select(TinkerOperationRow.seq, TinkerOperationRow.result).where(
+            TinkerOperationRow.model_name == model_name,
+            TinkerOperationRow.seq.between(low, page[-1][1]),
+            TinkerOperationRow.kind.in_(("forward_backward", "optim_step")),
+        )
+    )
+    results: dict[int, bytes | None] = {row.seq: row.result for row in read}
+    return await asyncio.to_thread(_steps_of, page, results)
+
+
+def _steps_of(
+    page: list[tuple[int, int, Any, list[int]]], results: dict[int, bytes | None]
+) -> list[TinkerStep]:
+    found = []
+    for number, seq, done_at, backward in page:
+        losses = [_loss(results.get(s)) for s in backward]
+        known = [x for x in losses if x is not None]
+        metrics = _optim_metrics(results.get(seq))
+        found.append(
+            TinkerStep(
+                step=number,
+                seq=seq,
+                loss=sum(known) if known else None,
+                forward_backward=len(backward),
+                learning_rate=metrics.get("learning_rate"),
+                metrics=metrics,
+                created_at=done_at,
+            )
+        )
+    return found
+
+
+def _loss(result: bytes | None) -> float | None:
+    try:
+        return read_output_metrics(result or b"").get("loss:sum")
+    except WireError:
+        return None
+
+
+def _optim_metrics(result: bytes | None) -> dict[str, float]:
+    try:
+        metrics = json.loads(result or b"{}").get("metrics") or {}
+    except (ValueError, AttributeError):
+        return {}
+    return {k: float(v) for k, v in metrics.items() if isinstance(v, int | float)}

@@ -50,6 +50,7 @@ SAMPLER = "sampler_weights"
 SESSION_BYTES = 6
 SESSION_PATTERN = rf"s[0-9a-f]{{{2 * SESSION_BYTES}}}"
 MAX_CONTEXT = 2048
+MAX_TOPK = 100  # `topk_prompt_logprobs`: k of the k likeliest tokens at each prompt position
 
 
 class TinkerError(Exception):
@@ -675,6 +676,11 @@ class TinkerService:
             if body.get(key):
                 raise TinkerError(400, f"{key}: not supported here yet")
         with_prompt = bool(body.get("prompt_logprobs"))
+        topk_prompt = body.get("topk_prompt_logprobs") or 0
+        if isinstance(topk_prompt, bool) or not isinstance(topk_prompt, int):
+            topk_prompt = -1
+        if not 0 <= topk_prompt <= MAX_TOPK:
+            raise TinkerError(400, f"topk_prompt_logprobs: an integer from 0 to {MAX_TOPK}")
         last_n = body.get("prompt_logprobs_last_n")
         if last_n is not None and (
             not with_prompt or not isinstance(last_n, int) or not 1 <= last_n < len(prompt)
@@ -698,13 +704,15 @@ class TinkerService:
         lock = sampler.run.lock if sampler.run else asyncio.Lock()
 
         def work() -> Result:
-            scores = None
+            scores, topk = None, None
             weights = sampler.weights
             if weights is None and sampler.directory is not None:
                 weights = _trainer().read_adapter(sampler.directory, policy.device)
             with policy.lock:
-                if with_prompt:
-                    scores = _trainer().prompt_logprobs(policy, weights, prompt, last_n)
+                if with_prompt or topk_prompt:
+                    scores, topk = _trainer().prompt_logprobs(
+                        policy, weights, prompt, last_n, topk_prompt
+                    )
                 samples = _trainer().sample(
                     policy,
                     weights,
@@ -723,7 +731,8 @@ class TinkerService:
                 )
                 for s in samples
             ]
-            return Result(proto=wire.write_sample_response(sequences, scores))
+            shown = scores if with_prompt else None
+            return Result(proto=wire.write_sample_response(sequences, shown, topk))
 
         async def go() -> Result:
             async with lock:
@@ -778,7 +787,6 @@ def vocab_size(policy: Any) -> int:
 
 # Sampling options the SDK has that are refused here (400) rather than ignored.
 UNSUPPORTED_SAMPLE_OPTIONS = (
-    "topk_prompt_logprobs",
     "topk_sample_logprobs",
     "target_prompt_logprobs",
     "prompt_alt_tokens_k",

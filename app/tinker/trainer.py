@@ -27,7 +27,7 @@ import torch
 
 from app.backends.cpu_policy import Policy, Sample
 from app.tinker.spec import LORA_ALPHA, Lora
-from app.tinker.wire import Datum
+from app.tinker.wire import MASK_LOGPROB, Datum, TopK
 
 
 def load_policy(base_dir: str, lora: Lora, device: str) -> Policy:
@@ -187,18 +187,35 @@ def sample(
 
 @torch.no_grad()
 def prompt_logprobs(
-    policy: Policy, weights: dict[str, torch.Tensor] | None, prompt: list[int], last_n: int | None
-) -> list[float]:
+    policy: Policy,
+    weights: dict[str, torch.Tensor] | None,
+    prompt: list[int],
+    last_n: int | None,
+    top_k: int = 0,
+) -> tuple[list[float], TopK | None]:
     """Each prompt token's logprob given the tokens before it; NaN (the SDK's None) for the
-    first, and for those before the last `last_n`. Call with `policy.lock` held."""
+    first, and for those before the last `last_n`. With `top_k`, also the k likeliest tokens
+    at each position, likeliest first, and their logprobs (the same positions masked). Call
+    with `policy.lock` held."""
     with weights_of(policy, weights):
         ids = torch.tensor([prompt], device=policy.device)
         logits = policy.model(input_ids=ids).logits[0, :-1].float()
-        picked = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:].unsqueeze(-1))
+        table = torch.log_softmax(logits, dim=-1)
+        picked = table.gather(-1, ids[0, 1:].unsqueeze(-1))
     scores = [math.nan, *picked.squeeze(-1).cpu().tolist()]
+    unscored = 1 if last_n is None else len(prompt) - last_n
     if last_n is not None:
-        scores[: len(prompt) - last_n] = [math.nan] * (len(prompt) - last_n)
-    return scores
+        scores[:unscored] = [math.nan] * unscored
+    if top_k <= 0:
+        return scores, None
+    k = min(top_k, table.shape[-1])
+    best = torch.topk(table, k, dim=-1)  # sorted: likeliest first
+    token_ids = np.zeros((len(prompt), k), dtype=np.int32)
+    logprobs = np.full((len(prompt), k), MASK_LOGPROB, dtype=np.float32)
+    token_ids[1:] = best.indices.cpu().numpy()
+    logprobs[1:] = best.values.cpu().numpy()
+    token_ids[:unscored], logprobs[:unscored] = 0, MASK_LOGPROB
+    return scores, TopK(token_ids, logprobs)
 
 
 def read_adapter(directory: Path, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:

@@ -185,6 +185,17 @@ def read_forward_backward(buf: bytes) -> ForwardBackwardRequest:
     return request
 
 
+def read_output_metrics(buf: bytes) -> dict[str, float]:
+    """The `metrics` of a `ForwardBackwardOutput` (field 3), its arrays skipped: what the
+    journal's record of a `forward_backward` says of its loss (`loss:sum`)."""
+    metrics: dict[str, float] = {}
+    for number, _, value in _fields(buf):
+        if number == 3:
+            key, number_value = _map_entry(_bytes(value))
+            metrics[key] = struct.unpack("<d", _bytes(number_value))[0]
+    return metrics
+
+
 # -- writing ------------------------------------------------------------------------------
 
 
@@ -246,8 +257,33 @@ class Sequence:
     stop_reason: str
 
 
+@dataclass
+class TopK:
+    """`TopkLogprobs`: the k likeliest tokens and their logprobs at each of `length`
+    positions, row-major; a position with nothing is the SDK's sentinel (token 0, logprob
+    `MASK_LOGPROB`), which it reads as None."""
+
+    token_ids: np.ndarray  # int32, (length, k)
+    logprobs: np.ndarray  # float32, (length, k)
+
+
+MASK_LOGPROB = -99999.0
+
+
+def _topk(topk: TopK) -> bytes:
+    length, k = topk.token_ids.shape
+    return (
+        _len(1, np.ascontiguousarray(topk.token_ids, dtype=np.int32).tobytes())
+        + _len(2, np.ascontiguousarray(topk.logprobs, dtype=np.float32).tobytes())
+        + _int(3, k)
+        + _int(4, length)
+    )
+
+
 def write_sample_response(
-    sequences: list[Sequence], prompt_logprobs: list[float] | None = None
+    sequences: list[Sequence],
+    prompt_logprobs: list[float] | None = None,
+    topk_prompt_logprobs: TopK | None = None,
 ) -> bytes:
     body = b""
     for seq in sequences:
@@ -259,4 +295,6 @@ def write_sample_response(
         body += _len(1, message)
     if prompt_logprobs is not None:
         body += _len(2, np.asarray(prompt_logprobs, dtype=np.float32).tobytes())
+    if topk_prompt_logprobs is not None:
+        body += _len(3, _topk(topk_prompt_logprobs))
     return body

@@ -145,7 +145,8 @@ async function modelsPage(query, signal) {
       h("td", {}, num(c.metrics?.reward_mean ?? c.metrics?.loss)), h("td", {}, num(c.validation_metrics?.score)), h("td", {}, c.job_id ? link(["training-jobs", c.job_id], c.job_id) : "—"), h("td", {}, when(c.created_at))));
     return h("article", { class: "card", "data-model": model.name }, h("h3", {}, model.name),
       facts([["Latest step", String(model.current_step)], ["Backend", model.backend], ["Base model", model.base_model], ["Served", model.inference_model_name || "no"]]),
-      h("p", {}, ["runs", "training-jobs", "rollout-jobs"].flatMap((kind, i) => [i ? " · " : "", link([kind], KINDS[kind].title, { model: model.name })])),
+      h("p", {}, ["runs", "training-jobs", "rollout-jobs"].flatMap((kind, i) => [i ? " · " : "", link([kind], KINDS[kind].title, { model: model.name })]),
+        model.project === "tinker" ? [" · ", link(["tinker", model.name], "Tinker losses")] : []),
       h("h4", {}, `Checkpoints (${checkpoints.data.length}${checkpoints.has_more ? "+" : ""})`),
       table(["Step", "Aliases", "Reward / loss", "Validation", "Job", "Created"], rows));
   }));
@@ -280,6 +281,47 @@ async function runPage(id, signal) {
   return section;
 }
 
+// ---------------------------------------------------------------- a Tinker training run
+
+// A model of project `tinker` (the Tinker SDK's training run): its loss and learning rate
+// per optimizer step, from GET /v1/models/{name}/tinker-metrics, gaining points as steps land.
+async function tinkerPage(name, signal) {
+  const base = `v1/models/${encodeURIComponent(name)}`;
+  const head = h("div", {});
+  const charts = h("div", { class: "charts", id: "charts" });
+  const section = h("section", { "data-page": "tinker" }, h("p", {}, link(["models"], "← Models")), head, h("h3", {}, "Curves"), charts);
+  const rows = [];
+  const more = async () => {
+    for (;;) {
+      const after = rows.length ? rows[rows.length - 1].step : 0;
+      const page = await api(`${base}/tinker-metrics?after=${after}&limit=1000`, { signal });
+      rows.push(...page.data);
+      if (!page.has_more) break;
+    }
+    const model = await api(base, { signal });
+    redraw(head, h("h2", {}, "Tinker run ", h("code", {}, model.name)),
+      facts([["Base model", model.base_model], ["Optimizer steps", String(rows.length)], ["Latest checkpoint", String(model.current_step)],
+        ["LoRA rank", model.config?.lora_rank != null ? String(model.config.lora_rank) : null], ["Created", when(model.created_at)]]));
+    const points = (key) => rows.filter((r) => typeof r[key] === "number").map((r) => ({ x: r.step, y: r[key] }));
+    const domain = rows.length ? [rows[0].step, rows[rows.length - 1].step] : undefined;
+    const list = [lineChart({ name: "loss", title: "Loss (loss:sum of the step's forward_backward)", domain, series: [{ name: "loss", label: "loss", points: points("loss") }] }),
+      lineChart({ name: "learning_rate", title: "Learning rate", domain, series: [{ name: "learning_rate", label: "learning rate", points: points("learning_rate") }] })];
+    const others = new Set(rows.flatMap((r) => Object.keys(r.metrics).filter((k) => k !== "learning_rate")));
+    for (const key of [...others].sort()) {
+      const values = rows.filter((r) => typeof r.metrics[key] === "number").map((r) => ({ x: r.step, y: r.metrics[key] }));
+      list.push(lineChart({ name: key, title: key, domain, series: [{ name: key, label: key, points: values }] }));
+    }
+    charts.replaceChildren(...list);
+  };
+  await more();
+  // A Tinker run has no event stream: its new steps are read every few seconds.
+  let busy = false; // never two reads at once: each appends the steps after the last it saw
+  const tick = () => { if (!busy) { busy = true; more().catch(failed).finally(() => { busy = false; }); } };
+  const timer = setInterval(tick, LIST_SECONDS * 1000);
+  signal.addEventListener("abort", () => clearInterval(timer));
+  return section;
+}
+
 // ---------------------------------------------------------------- routing
 
 function showKey() {
@@ -307,7 +349,8 @@ async function render() {
   const [path, search] = (location.hash.slice(1) || "/runs").split("?");
   const query = new URLSearchParams(search || "");
   const parts = path.split("/").filter(Boolean).map(decodeURIComponent);
-  const section = parts[0] === "compare" ? "runs" : parts[0]; // runs are compared from their list
+  // Runs are compared from their list; a Tinker run is reached from its model's card.
+  const section = parts[0] === "compare" ? "runs" : parts[0] === "tinker" ? "models" : parts[0];
   for (const a of document.querySelectorAll("nav a")) a.classList.toggle("here", a.getAttribute("href") === `#/${section}`);
   document.getElementById("forget").hidden = !sessionStorage.getItem(KEY);
   main.replaceChildren(h("p", { class: "loading" }, "Loading…"));
@@ -315,6 +358,7 @@ async function render() {
     let page;
     if (parts[0] === "models") page = await modelsPage(query, controller.signal);
     else if (parts[0] === "runs" && parts[1]) page = await runPage(parts[1], controller.signal);
+    else if (parts[0] === "tinker" && parts[1]) page = await tinkerPage(parts[1], controller.signal);
     else if (parts[0] === "compare") page = await comparePage(query, controller.signal, failed);
     else if (KINDS[parts[0]] && parts[1]) page = await jobPage(parts[0], parts[1], controller.signal);
     else if (KINDS[parts[0]]) page = await listPage(parts[0], query, controller.signal);

@@ -75,7 +75,7 @@ export function lineChart({ name, title, series, domain, xLabel = "step" }) {
       g.append(svg("polyline", { class: "line", points: s.points.map((p) => `${sx(p.x)},${sy(p.y)}`).join(" ") }));
     }
     for (const p of s.points) {
-      const dot = svg("circle", { class: "point", cx: sx(p.x), cy: sy(p.y), r: 3 });
+      const dot = svg("circle", { class: "point", cx: sx(p.x), cy: sy(p.y), r: 3, "data-x": p.x, "data-y": p.y });
       dot.append(svg("title", {}, `${s.label}, ${xLabel} ${p.x}: ${label(p.y)}`));
       g.append(dot);
     }

@@ -31,6 +31,7 @@ OPERATIONS: dict[str, tuple[str, str]] = {
     "models-create": ("POST", "/v1/models"),
     "models-list": ("GET", "/v1/models"),
     "models-get": ("GET", "/v1/models/{name}"),
+    "models-tinker_metrics": ("GET", "/v1/models/{name}/tinker-metrics"),
     "checkpoints-list": ("GET", "/v1/models/{name}/checkpoints"),
     "checkpoints-get": ("GET", "/v1/models/{name}/checkpoints/{step}"),
     "checkpoints-delete": ("DELETE", "/v1/models/{name}/checkpoints/{step}"),
@@ -244,6 +245,13 @@ def models_list(*, after: str | None = None, limit: int | None = None) -> Call[m
 
 def models_get(name: str) -> Call[m.Model]:
     return _call("models-get", _json(m.Model), name=name)
+
+
+def models_tinker_metrics(
+    name: str, *, after: int | None = None, limit: int | None = None
+) -> Call[m.Page[m.TinkerStep]]:
+    call = _call("models-tinker_metrics", _json(m.Page[m.TinkerStep]), name=name)
+    return _replace(call, params=_params(after=after, limit=limit))
 
 
 # --------------------------------------------------------------------------- checkpoints

@@ -208,6 +208,13 @@ class Models(_Resource):
     def get(self, name: str) -> m.Model:
         return self._send(calls.models_get(name))
 
+    @operation("models-tinker_metrics")
+    def tinker_metrics(
+        self, name: str, *, after: int | None = None, limit: int | None = None
+    ) -> m.Page[m.TinkerStep]:
+        """A Tinker training run's optimizer steps: loss and learning rate per step."""
+        return self._send(calls.models_tinker_metrics(name, after=after, limit=limit))
+
     @operation("models-list")
     def list(self, *, after: str | None = None, limit: int | None = None) -> m.Page[m.Model]:
         return self._send(calls.models_list(after=after, limit=limit))

@@ -414,6 +414,18 @@ class RunMetric(_Wire):
     created_at: datetime
 
 
+class TinkerStep(_Wire):
+    """An optimizer step of a Tinker training run, with the loss of the calls it applied."""
+
+    step: int
+    seq: int
+    loss: float | None
+    forward_backward: int
+    learning_rate: float | None
+    metrics: dict[str, float]
+    created_at: datetime
+
+
 class Dataset(_Wire):
     id: str
     name: str
