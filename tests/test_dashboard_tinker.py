@@ -85,7 +85,7 @@ def test_the_api_pages_a_tinker_runs_steps_from_its_journal(
     assert seqs == sorted(seqs)
     # Not a Tinker run, no model, a bad page: problem+json naming what is wrong.
     demo = client.get("/v1/models/demo/tinker-metrics")
-    assert demo.status_code == 404 and "no Tinker training run named 'demo'" in demo.text
+    assert demo.status_code == 404 and "no Tinker training run 'demo'" in demo.text
     assert demo.headers["content-type"].startswith("application/problem+json")
     assert client.get("/v1/models/nothing/tinker-metrics").status_code == 404
     bad = client.get(path, params={"limit": 0, "after": -1})

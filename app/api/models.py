@@ -10,7 +10,7 @@ from pydantic import BaseModel, Field
 from app.api.body import Reading, json_body, read_json
 from app.api.deps import Caller, Cursor, Session
 from app.backends import SPECS
-from app.errors import NotFoundError
+from app.errors import not_found
 from app.gateway import PREFIX as GATEWAY_PREFIX
 from app.models import ModelRow
 from app.registry import models as service
@@ -100,12 +100,19 @@ async def get(
 async def tinker_metrics(
     name: Annotated[str, Path(pattern=NO_NUL)],
     session: Session,
+    caller: Caller,
     after: Annotated[int, Query(ge=0, le=2**31 - 1, description="Steps after this one.")] = 0,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> Page[TinkerStep]:
     row = await session.get(ModelRow, name)
-    if row is None or row.project != TINKER_PROJECT:
-        raise NotFoundError(f"no Tinker training run named {name!r} (a model of project 'tinker')")
+    theirs = row is not None and caller.sees is not None and row.project_id != caller.sees
+    if row is None or row.project != TINKER_PROJECT or theirs:
+        raise not_found(
+            "Tinker training run",
+            name,
+            param="name",
+            detail=f"no Tinker training run {name!r} (a model of project 'tinker')",
+        )
     items, has_more = await journal.steps(session, name, after=after, limit=limit)
     return Page(
         data=items,
