@@ -324,6 +324,10 @@ def _every_operation(url: str, tiny: Path, workdir: Path) -> set[str]:
         drained = client.workers.drain(worker.id)
         assert drained.id == worker.id and drained.drain_requested_at is not None
 
+        # A Tinker run's curves: `sdk` is no Tinker run (a model of project `tinker`).
+        with pytest.raises(NotFoundError):
+            client.models.tinker_metrics("sdk")
+
         # Projects and keys, last: once a key exists the server asks for one.
         project = client.projects.create(name="sdk-team")
         assert client.projects.get(project.id) == project

@@ -372,6 +372,10 @@ def seed(client: httpx.Client, data_dir: Path) -> Seeded:
         assert client.post(f"{location}/pause").status_code == 200
     # The documented example of a run names the model `demo`.
     model("demo", "cpu")
+    # A model of project `tinker`, as a Tinker training run is: its curves (none yet).
+    tinker_run = factories.model_body("fuzz-tinker", "dry-run") | {"project": "tinker"}
+    assert client.post("/v1/models", json=tinker_run).status_code == 201
+    seeded.models.append("fuzz-tinker")
 
     collection = client.get(f"{finished}/trajectories")
     assert collection.status_code == 200, collection.text
