@@ -430,7 +430,9 @@ async def test_one_run_owns_its_model_until_it_ends(serve) -> None:
         problem = refused.json()
         assert problem["holder"] == first["id"] and first["id"] in problem["detail"]
     assert samples.status_code == 202, samples.text
-    assert cancelled["cancel_requested"] is True
+    # Flagged for its driver, or (still queued: its driver had not started it on a busy
+    # machine) cancelled at once; either way it ends cancelled.
+    assert cancelled["cancel_requested"] is True or cancelled["status"] == "cancelled", cancelled
     assert ended["status"] == "cancelled" and ended["paused"] is False
     assert third.status_code == 202, third.text
     assert done["status"] == "succeeded" and done["progress"]["step"] == 2
