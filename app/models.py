@@ -6,6 +6,7 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
+    BigInteger,
     Boolean,
     CheckConstraint,
     Float,
@@ -114,13 +115,33 @@ class JobRow(Base):
             sqlite_where=text("kind = 'run' AND status IN ('queued', 'running')"),
             postgresql_where=text("kind = 'run' AND status IN ('queued', 'running')"),
         ),
-        # Claims scan queued jobs in submission order (migration 0004).
+        # Claims scan queued jobs in fair order: by their place in their project's share,
+        # then by submission (migration 0015; was by submission alone, 0004).
         Index(
-            "ix_jobs_queued",
+            "ix_jobs_queued_fair",
+            "fair_seq",
             "id",
             sqlite_where=text("status = 'queued'"),
             postgresql_where=text("status = 'queued'"),
         ),
+        # A project's queued jobs (its queued quota, the fair place of its next job) and
+        # running ones (its running quota) (migration 0015).
+        Index(
+            "ix_jobs_project_queued",
+            "project_id",
+            "fair_seq",
+            sqlite_where=text("status = 'queued'"),
+            postgresql_where=text("status = 'queued'"),
+        ),
+        Index(
+            "ix_jobs_project_running",
+            "project_id",
+            "fair_seq",
+            sqlite_where=text("status = 'running' AND kind <> 'run'"),
+            postgresql_where=text("status = 'running' AND kind <> 'run'"),
+        ),
+        # A project's submissions in the last minute and trainer time today (0015).
+        Index("ix_jobs_project_created", "project_id", "created_at"),
         Index("ix_jobs_model_created", "model_name", "created_at"),
     )
 
@@ -177,6 +198,13 @@ class JobRow(Base):
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     project_id: Mapped[str] = _project_id()
+    # The job's place in the fair claim order (migration 0015): its project's previous
+    # queued job's place + 1, or the place being served now if that is later
+    # (`app.jobs.statements.fair_place`). Claims take the lowest first, so projects take turns.
+    fair_seq: Mapped[int] = mapped_column(BigInteger, default=0, server_default=text("0"))
+    # Submitted through the API (migration 0015), not made by a run or a rollout: what a
+    # project's submissions-per-minute quota counts.
+    submitted: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
 
 class RunRow(Base):
@@ -433,6 +461,13 @@ class ProjectRow(Base):
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
     name: Mapped[str] = mapped_column(String(128), unique=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    # Quotas an admin sets (migration 0015; NULL: no limit): jobs running at once (over
+    # it, jobs wait queued), jobs queued, submissions in any minute, and trainer-seconds
+    # in a UTC day (over those, a submission is refused with 429).
+    max_running_jobs: Mapped[int | None] = mapped_column(Integer)
+    max_queued_jobs: Mapped[int | None] = mapped_column(Integer)
+    max_submissions_per_minute: Mapped[int | None] = mapped_column(Integer)
+    max_trainer_seconds_per_day: Mapped[int | None] = mapped_column(Integer)
 
 
 class ApiKeyRow(Base):

@@ -332,6 +332,9 @@ def _every_operation(url: str, tiny: Path, workdir: Path) -> set[str]:
         project = client.projects.create(name="sdk-team")
         assert client.projects.get(project.id) == project
         assert project.id in {p.id for p in client.projects.list().data}
+        capped = client.projects.set_quotas(project.id, running_jobs=2, queued_jobs=5)
+        assert (capped.quotas.running_jobs, capped.quotas.submissions_per_minute) == (2, None)
+        assert client.projects.get_quotas(project.id).usage.queued_jobs == 0
         made = client.projects.create_key(project.id, name="ops", scopes=["admin"])
         with Trainyard(url, http_client=http, retry=FAST, api_key=made.secret) as keyed:
             [listed_key] = keyed.projects.list_keys(project.id).data

@@ -631,6 +631,7 @@ def test_no_route_lets_fastapi_read_its_body(tmp_path) -> None:
         "/v1/webhooks/{endpoint_id}",
         "/v1/projects",
         "/v1/projects/{project_id}/keys",
+        "/v1/projects/{project_id}/quotas",
         "/openai/v1/chat/completions",
     }
 

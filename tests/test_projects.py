@@ -484,3 +484,35 @@ async def test_keys_that_cannot_be_read_refuse_with_503_never_let_in(
             assert (await live.client.get("/v1/models")).status_code == 200
         finally:
             await engine.dispose()
+
+
+async def test_idempotency_keys_are_each_projects_own(serve) -> None:
+    """The same Idempotency-Key from two projects: neither replays, nor learns of, the
+    other's job."""
+    from tests.factories import nat_collection
+
+    async with serve(**FRESH) as live:
+        c = live.client
+        a, b = await project(c, "a"), await project(c, "b")
+        a_write = bearer((await key(c, a, "write"))["secret"])
+        b_write = bearer((await key(c, b, "write"))["secret"])
+        for name, headers in (("a-model", a_write), ("b-model", b_write)):
+            made = await c.post("/v1/models", json=model_body(name), headers=headers)
+            assert made.status_code == 201, made.text
+        body = {"model": "a-model", "collection": nat_collection()}
+        same = {"Idempotency-Key": "step-1"}
+        first = await c.post("/v1/training-jobs", json=body, headers={**a_write, **same})
+        assert first.status_code == 202, first.text
+        # B sends A's very body with A's key: no replay of A's job, A's model is unknown.
+        copied = await c.post("/v1/training-jobs", json=body, headers={**b_write, **same})
+        assert copied.status_code == 422, copied.text
+        assert first.json()["id"] not in copied.text
+        # B's own body with the same key: a job of its own, not "key used with another body".
+        own = {"model": "b-model", "collection": nat_collection()}
+        theirs = await c.post("/v1/training-jobs", json=own, headers={**b_write, **same})
+        assert theirs.status_code == 202, theirs.text
+        assert theirs.json()["id"] != first.json()["id"]
+        # Each project's retry still replays its own.
+        again = await c.post("/v1/training-jobs", json=body, headers={**a_write, **same})
+        assert again.json()["id"] == first.json()["id"]
+        assert again.headers["idempotent-replayed"] == "true"

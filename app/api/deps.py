@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 from collections.abc import AsyncIterator
 from typing import Annotated
@@ -16,6 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from app.db import Reader
 from app.errors import ForbiddenError
 from app.ingest.edge import principal_of
+from app.models import DEFAULT_PROJECT_ID
 from app.schemas.common import NO_NUL
 from app.tenants.keys import Principal
 
@@ -78,6 +80,17 @@ async def get_caller(request: Request) -> Principal:
 
 Caller = Annotated[Principal, Depends(get_caller)]
 """Who the request is: its key's id, project and scopes."""
+
+
+def scoped_key(caller: Principal, key: str | None) -> str | None:
+    """An Idempotency-Key as stored: a project's own, so that another project's request
+    with the same key neither replays this one's job nor learns it exists. The default
+    project's (admin keys, keys of TRAINYARD_API_KEYS) are stored as sent, as before
+    projects; another's as its id, a newline (which no header value holds, so the two
+    cannot meet) and the key's SHA-256 (so it fits the column)."""
+    if key is None or caller.owner == DEFAULT_PROJECT_ID:
+        return key
+    return f"{caller.owner}\n{hashlib.sha256(key.encode()).hexdigest()}"
 
 
 def require_admin(caller: Principal) -> None:

@@ -7,7 +7,16 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request, Response
 
 from app.api.body import Reading, json_body, read_json
-from app.api.deps import Caller, Cursor, IdempotencyKey, JobId, ModelFilter, Reads, Session
+from app.api.deps import (
+    Caller,
+    Cursor,
+    IdempotencyKey,
+    JobId,
+    ModelFilter,
+    Reads,
+    Session,
+    scoped_key,
+)
 from app.api.job_events import add_event_routes
 from app.api.workers import with_waits
 from app.evaluations import results, service
@@ -44,7 +53,7 @@ JobRef = Annotated[str, Query(pattern=NO_NUL, max_length=64, description="An eva
     response_model=EvaluationJob,
     status_code=202,
     summary="Sample a step of a model on examples and score each answer (nothing trained)",
-    responses=problem_responses(404, 409, 413, 422),
+    responses=problem_responses(404, 409, 413, 422, 429),
     openapi_extra=json_body(EvaluationJobCreate),
 )
 async def create(
@@ -60,7 +69,7 @@ async def create(
         request.app.state.backends,
         job=await read_json(request, READING),
         max_attempts=settings.max_attempts,
-        idempotency_key=idempotency_key,
+        idempotency_key=scoped_key(caller, idempotency_key),
         project_id=caller.sees,
     )
     await session.commit()

@@ -10,7 +10,9 @@ from fastapi import APIRouter, Query, Request, Response
 
 from app.api.body import Reading, json_body, read_json
 from app.api.deps import Caller, Cursor, JobId, Session, require_admin
-from app.errors import InvalidInputError, NotFoundError
+from app.db import begin_write
+from app.errors import InvalidInputError, NotFoundError, not_found
+from app.jobs import quotas
 from app.schemas.common import NO_NUL, FieldError, Page, problem_responses
 from app.schemas.tenants import (
     ApiKey,
@@ -19,6 +21,8 @@ from app.schemas.tenants import (
     AuditEvent,
     Project,
     ProjectCreate,
+    ProjectQuotas,
+    Quotas,
 )
 from app.tenants import Tenants, service
 
@@ -31,6 +35,7 @@ Limit = Annotated[int, Query(ge=1, le=100)]
 
 CREATING = Reading(ProjectCreate, lambda body, raw, settings: body)
 CREATING_KEY = Reading(ApiKeyCreate, lambda body, raw, settings: body)
+SETTING_QUOTAS = Reading(Quotas, lambda body, raw, settings: body)
 
 
 RFC3339 = (
@@ -106,6 +111,39 @@ async def get(project_id: ProjectId, session: Session, caller: Caller) -> Projec
     if not caller.admin and caller.project_id != project_id:
         raise NotFoundError(f"No project {project_id!r}")  # another's: no existence leak
     return await service.get_project(session, project_id)
+
+
+@router.get(
+    "/{project_id}/quotas",
+    name="get_quotas",
+    response_model=ProjectQuotas,
+    summary="The project's quotas and what it uses of each now (admin, or a key of this project)",
+    responses=problem_responses(404),
+)
+async def get_quotas(project_id: ProjectId, session: Session, caller: Caller) -> ProjectQuotas:
+    if not caller.admin and caller.project_id != project_id:
+        raise not_found("project", project_id, param="project_id")  # another's: no leak
+    return await quotas.get(session, project_id)
+
+
+@router.put(
+    "/{project_id}/quotas",
+    name="set_quotas",
+    response_model=ProjectQuotas,
+    summary="Set the project's quotas (admin): each one given, or no limit. Over "
+    "`running_jobs` jobs wait queued; over the others a submission is refused with 429",
+    responses=problem_responses(404, 413, 422),
+    openapi_extra=json_body(Quotas),
+)
+async def set_quotas(
+    project_id: ProjectId, request: Request, session: Session, caller: Caller
+) -> ProjectQuotas:
+    require_admin(caller)
+    body = await read_json(request, SETTING_QUOTAS)
+    await begin_write(session)
+    await quotas.put(session, project_id, body)
+    await session.commit()
+    return await quotas.get(session, project_id)
 
 
 @router.post(

@@ -7,7 +7,16 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request, Response
 
 from app.api.body import Reading, json_body, read_json
-from app.api.deps import Caller, Cursor, IdempotencyKey, JobId, ModelFilter, Reads, Session
+from app.api.deps import (
+    Caller,
+    Cursor,
+    IdempotencyKey,
+    JobId,
+    ModelFilter,
+    Reads,
+    Session,
+    scoped_key,
+)
 from app.api.job_events import add_event_routes
 from app.api.workers import with_waits
 from app.egress import EgressPolicy
@@ -30,7 +39,7 @@ READING = Reading(RolloutJobCreate, service.prepare, ROLLOUT_PIECES, service.lim
     response_model=RolloutJob,
     status_code=202,
     summary="Sample, grade and group answers for examples (and optionally train on them)",
-    responses=problem_responses(409, 413, 422),
+    responses=problem_responses(409, 413, 422, 429),
     openapi_extra=json_body(RolloutJobCreate),
 )
 async def create(
@@ -45,7 +54,7 @@ async def create(
         session,
         job=await read_json(request, READING),
         max_attempts=settings.max_attempts,
-        idempotency_key=idempotency_key,
+        idempotency_key=scoped_key(caller, idempotency_key),
         egress=EgressPolicy.from_settings(settings),
         project_id=caller.sees,
     )

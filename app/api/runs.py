@@ -8,7 +8,16 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query, Request, Response
 
 from app.api.body import Reading, json_body, read_json
-from app.api.deps import Caller, Cursor, IdempotencyKey, JobId, ModelFilter, Reads, Session
+from app.api.deps import (
+    Caller,
+    Cursor,
+    IdempotencyKey,
+    JobId,
+    ModelFilter,
+    Reads,
+    Session,
+    scoped_key,
+)
 from app.api.job_events import add_event_routes
 from app.jobs import service as jobs_service
 from app.jobs.lifecycle import JobKind, JobStatus
@@ -26,7 +35,7 @@ READING = Reading(RunCreate, service.prepare, RUN_PIECES)
     response_model=Run,
     status_code=202,
     summary="Start a training run",
-    responses=problem_responses(409, 413, 422),
+    responses=problem_responses(409, 413, 422, 429),
     openapi_extra=json_body(RunCreate),
 )
 async def create(
@@ -39,7 +48,7 @@ async def create(
     job, replayed = await service.create_run(
         session,
         job=await read_json(request, READING),
-        idempotency_key=idempotency_key,
+        idempotency_key=scoped_key(caller, idempotency_key),
         settings=request.app.state.settings,
         project_id=caller.sees,
     )

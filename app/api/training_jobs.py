@@ -7,7 +7,16 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request, Response
 
 from app.api.body import Reading, json_body, read_json
-from app.api.deps import Caller, Cursor, IdempotencyKey, JobId, ModelFilter, Reads, Session
+from app.api.deps import (
+    Caller,
+    Cursor,
+    IdempotencyKey,
+    JobId,
+    ModelFilter,
+    Reads,
+    Session,
+    scoped_key,
+)
 from app.api.job_events import add_event_routes
 from app.api.workers import with_waits
 from app.jobs import service as jobs
@@ -53,7 +62,7 @@ READING = Reading(
     "or a NAT collection, `TrainingJobCreate`), `sft` (chat examples, inline or from a "
     "dataset split, `SftJobCreate`) or `dpo` (preference pairs, plain or NAT's DPO items, "
     "`DpoJobCreate`). Each is one model step, watched and ended like any other.",
-    responses=problem_responses(404, 409, 413, 422),
+    responses=problem_responses(404, 409, 413, 422, 429),
     openapi_extra=json_body(TrainingJobCreate, SftJobCreate, DpoJobCreate),
 )
 async def create(
@@ -66,7 +75,7 @@ async def create(
     job, replayed = await service.create_training_job(
         session,
         job=await read_json(request, READING),
-        idempotency_key=idempotency_key,
+        idempotency_key=scoped_key(caller, idempotency_key),
         max_attempts=request.app.state.settings.max_attempts,
         project_id=caller.sees,
     )

@@ -11,7 +11,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.api.deps import Session
 from app.db import begin_write
-from app.jobs import pools
+from app.jobs import pools, quotas
 from app.jobs.lifecycle import JobStatus
 from app.schemas.common import NO_NUL, problem_responses
 from app.schemas.workers import Worker
@@ -66,9 +66,10 @@ class _Job(Protocol):
 
 J = TypeVar("J", bound=_Job)
 LIVE_WORKERS_TTL = 1.0
-"""Seconds a process reuses its read of the live workers for `waiting_for`: a GET of a
-queued job stays one statement (the reads benchmark), and a worker that registers or
-leaves shows within a second."""
+"""Seconds a process reuses its read of the live workers and of the projects at their
+running quota for `waiting_for`: a GET of a queued job stays one statement (the reads
+benchmark), and a worker that registers or leaves, or a project's slot that frees, shows
+within a second."""
 
 
 class Waits:
@@ -80,6 +81,8 @@ class Waits:
         self.engine = engine
         self.lease_seconds = lease_seconds
         self.models: dict[str, tuple[str | None, str, dict[str, str] | None]] = {}
+        self.projects: dict[str, str] = {}  # model -> its project (never changes)
+        self.full: dict[str, tuple[int, int]] = {}  # projects at their running quota
         self.live: list[pools.LiveWorker] = []
         self.read_at = -LIVE_WORKERS_TTL
 
@@ -90,12 +93,20 @@ class Waits:
             async with self.engine.connect() as conn:
                 if missing:
                     self.models |= await pools.model_needs(conn, missing)
+                    self.projects |= await quotas.projects_of(conn, missing)
                 if now - self.read_at >= LIVE_WORKERS_TTL:
                     self.live = await pools.live_workers(conn, lease_seconds=self.lease_seconds)
+                    self.full = await quotas.at_running_quota(conn)
                     self.read_at = now
         reasons = {}
         for name in models & set(self.models):
-            reason = pools.waiting_reason(self.live, *self.models[name])
+            # The quota first: with a worker free, the job would still wait for it.
+            full = self.full.get(self.projects.get(name, ""))
+            reason = (
+                f"its project's running_jobs quota: {full[0]} of {full[1]} running"
+                if full is not None
+                else pools.waiting_reason(self.live, *self.models[name])
+            )
             if reason is not None:
                 reasons[name] = reason
         return reasons

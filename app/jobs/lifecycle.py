@@ -283,6 +283,7 @@ class NewJob:
     policy_step: int | None = None
     max_steps_off_policy: int | None = None
     queued_event: dict[str, Any] = field(default_factory=dict)
+    submitted: bool = False  # through the API (`app.jobs.service.enqueue_once`)
 
 
 # -- rules ----------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ fields every kind of job shows."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from datetime import datetime
 from typing import Any, TypeVar
 
@@ -14,6 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.db import Reader, begin_write
 from app.errors import ConflictError, InvalidInputError, NotFoundError, field_errors, not_found
+from app.jobs import quotas
 from app.jobs.lifecycle import JobKind, JobStatus, NewJob
 from app.jobs.store import enqueue, request_cancel
 from app.models import JobRow
@@ -180,11 +181,13 @@ async def replay(session: AsyncSession, key: str, request_hash: str) -> JobRow |
 async def enqueue_once(
     session: AsyncSession, new: NewJob, idempotency_key: str | None
 ) -> tuple[JobRow, bool]:
-    """Enqueue `new` (in the caller's write transaction); (job, replayed). A concurrent
+    """Enqueue `new`, a submission (in the caller's write transaction), if its project's
+    quotas allow it (429 if not: `app.tenants.quotas.admit`); (job, replayed). A concurrent
     request with the same Idempotency-Key that committed first is answered as its replay;
     one still in progress is a 409."""
+    await quotas.admit(session, new.model_name)
     try:
-        return await enqueue(session, new), False
+        return await enqueue(session, replace(new, submitted=True)), False
     except IntegrityError as exc:
         await session.rollback()
         await begin_write(session)

@@ -45,7 +45,7 @@ from app.db import utcnow
 from app.jobs import outbox
 from app.jobs.events import database_clock
 from app.jobs.lifecycle import EventType, JobKind, JobStatus
-from app.models import JobEventRow, JobRow, ModelRow, WorkerRow
+from app.models import JobEventRow, JobRow, ModelRow, ProjectRow, WorkerRow
 from app.settings import DEFAULT_POOL
 
 RUNNING = JobStatus.running.value
@@ -53,6 +53,7 @@ QUEUED = JobStatus.queued.value
 jobs = cast(Table, JobRow.__table__)
 models = cast(Table, ModelRow.__table__)
 workers = cast(Table, WorkerRow.__table__)
+projects = cast(Table, ProjectRow.__table__)
 job_events = cast(Table, JobEventRow.__table__)
 _running = jobs.alias("running")
 RUN = JobKind.run.value
@@ -60,6 +61,58 @@ RUN = JobKind.run.value
 _busy_models = select(_running.c.model_name).where(
     _running.c.status == RUNNING, _running.c.kind != RUN
 )
+
+
+def running_in(project: ColumnElement[Any]) -> ColumnElement[int]:
+    """How many of the project's jobs hold a worker now (a run holds none)."""
+    held = jobs.alias("held")
+    return (
+        select(func.count())
+        .select_from(held)
+        .where(held.c.project_id == project, held.c.status == RUNNING, held.c.kind != RUN)
+        .scalar_subquery()
+    )
+
+
+def fair_place(project: ColumnElement[Any]) -> ColumnElement[int]:
+    """A new job's place in the claim order (`jobs.fair_seq`; claims take the lowest
+    first, then the oldest): one past its project's last queued job, or the place being
+    served now (the highest of the running jobs'; with none running, the lowest queued) if
+    that is later. So a project that queues 100 jobs holds places v..v+99, and one that
+    queues 5 after it gets v'..v'+4 from the place then served: the two take turns, and
+    neither waits behind the other's whole backlog (start-time fair queueing, a job per
+    turn)."""
+    mine = jobs.alias("mine")
+    own = (
+        select(func.max(mine.c.fair_seq) + 1)
+        .where(mine.c.project_id == project, mine.c.status == QUEUED, mine.c.kind != RUN)
+        .scalar_subquery()
+    )
+    served = (
+        select(func.max(mine.c.fair_seq))
+        .where(mine.c.status == RUNNING, mine.c.kind != RUN)
+        .scalar_subquery()
+    )
+    head = (
+        select(func.min(mine.c.fair_seq))
+        .where(mine.c.status == QUEUED, mine.c.kind != RUN)
+        .scalar_subquery()
+    )
+    now_serving = func.coalesce(served, head, literal(0, Integer))
+    own_next = func.coalesce(own, literal(0, Integer))
+    return case((own_next > now_serving, own_next), else_=now_serving)
+
+
+class Quota(enum.Enum):
+    """Which projects' jobs a claim may take, by their running quota."""
+
+    UNLIMITED = "unlimited"
+    """Only projects without a running quota (the claim locks no project)."""
+    LOCKED = "locked"
+    """Those, and the projects with one that this claim's transaction has locked
+    (`w_locked`), up to the room each has left."""
+    ALL = "all"
+    """Every project, each up to its room (SQLite: one writer, nothing to lock)."""
 
 
 def guarded(*extra: Any) -> ColumnElement[bool]:
@@ -168,15 +221,24 @@ Fits = Callable[[], list[ColumnElement[bool]]]
 
 
 @functools.cache
-def claim_query(lock_models: bool = False, fits: Fits | None = None) -> Select[Any]:
-    """A page of the oldest eligible queued jobs (due, their model not busy) with their
-    models, oldest first. `fits`: the dialect's filter to jobs the claiming worker can run
-    (`fits_on_sqlite`, `fits_on_postgres`); `lock_models`: lock their models' rows too."""
+def claim_query(
+    lock_models: bool = False, fits: Fits | None = None, quota: Quota = Quota.ALL
+) -> Select[Any]:
+    """A page of the first eligible queued jobs in fair order (due, their model not busy,
+    their project under its running quota) with their models, and `room`: how many more
+    of its project's jobs may start (NULL: no quota). `fits`: the dialect's filter to jobs
+    the claiming worker can run (`fits_on_sqlite`, `fits_on_postgres`); `lock_models`: lock
+    their models' rows too; `quota`: which projects (`Quota`)."""
+    limit = projects.c.max_running_jobs
+    running = running_in(jobs.c.project_id)
     query = (
         select(
             jobs.c.id,
             jobs.c.model_name,
             jobs.c.kind,
+            jobs.c.project_id,
+            jobs.c.fair_seq,
+            case((limit.is_(None), None), else_=limit - running).label("room"),
             models.c.project,
             models.c.base_model,
             models.c.backend,
@@ -185,16 +247,25 @@ def claim_query(lock_models: bool = False, fits: Fits | None = None) -> Select[A
             models.c.step_known,
         )
         .join(models, models.c.name == jobs.c.model_name)
+        .join(projects, projects.c.id == jobs.c.project_id)
         .where(
             jobs.c.status == QUEUED,
             jobs.c.kind != RUN,  # runs are advanced by their driver, never claimed
             jobs.c.not_before <= bindparam("now"),
             jobs.c.model_name.not_in(_busy_models),
         )
-        # Submission order, also for a retried job (its not_before only gates it).
-        .order_by(jobs.c.id)
+        # Projects take turns (`fair_place`); within one, submission order, also for a
+        # retried job (its not_before only gates it).
+        .order_by(jobs.c.fair_seq, jobs.c.id)
         .limit(bindparam("page"))
     )
+    if quota is Quota.UNLIMITED:
+        query = query.where(limit.is_(None))
+    elif quota is Quota.LOCKED:
+        locked = jobs.c.project_id == any_(bindparam("w_locked", type_=ARRAY(String)))
+        query = query.where(or_(limit.is_(None), and_(locked, limit > running)))
+    else:
+        query = query.where(or_(limit.is_(None), limit > running))
     if fits is not None:
         query = query.where(*fits())
     if lock_models:
@@ -334,7 +405,7 @@ def _deliveries(job: Any, event: Any, seq: ColumnElement[Any]) -> Any:
 
 
 @functools.cache
-def claim_statement(fitted: bool = False) -> Select[Any]:
+def claim_statement(fitted: bool = False, quota: Quota = Quota.UNLIMITED) -> Select[Any]:
     """Postgres: `SqliteStore._claim_once`'s look, `TAKE` and the claim events as one
     statement.
 
@@ -342,16 +413,29 @@ def claim_statement(fitted: bool = False) -> Select[Any]:
     claimer holds are passed over), the oldest job of each model is taken, up to
     `wanted`, each with its own lease token (md5 of a per-statement secret and the id),
     and each gets its `job_claimed` event. `candidates` tells whether the page was full.
+    A project with a running quota gives at most its `room` (`quota`: see `Quota`; its
+    row is locked by the caller's transaction, `PostgresStore.claim`).
     """
     fits = fits_on_postgres if fitted else None
-    candidate = claim_query(lock_models=True, fits=fits).cte("candidate")
+    candidate = claim_query(lock_models=True, fits=fits, quota=quota).cte("candidate")
     first = (
         select(candidate)
         .ext(distinct_on(candidate.c.model_name))
-        .order_by(candidate.c.model_name, candidate.c.id)
+        .order_by(candidate.c.model_name, candidate.c.fair_seq, candidate.c.id)
         .cte("first")
     )
-    picked = (select(first).order_by(first.c.id).limit(bindparam("wanted"))).cte("picked")
+    nth = (
+        func.row_number()
+        .over(partition_by=first.c.project_id, order_by=(first.c.fair_seq, first.c.id))
+        .label("nth")
+    )
+    ranked = select(first, nth).cte("ranked")
+    picked = (
+        select(ranked)
+        .where(or_(ranked.c.room.is_(None), ranked.c.nth <= ranked.c.room))
+        .order_by(ranked.c.fair_seq, ranked.c.id)
+        .limit(bindparam("wanted"))
+    ).cte("picked")
     owner = bindparam("v_owner", type_=String)
     # The database's clock, read while the statement runs (not the worker's, read before
     # sending it): a claim that saw the model's previous job end is stamped after that

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
 from typing import Any, ClassVar, cast
 
-from sqlalchemy import Row, func, insert, select, update
+from sqlalchemy import Row, exists, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 
@@ -163,13 +163,18 @@ def _row_values(job: NewJob) -> dict[str, Any]:
         "cancel_requested": False,
         "recovered": False,
         "last_event_seq": 1,  # its first event, job_queued
-        # A job belongs to its model's project (migration 0013): a job a job or a run
+        # A job belongs to its model's project (migration 0014): a job a job or a run
         # makes is its parent's project's, as its model is.
-        "project_id": func.coalesce(
-            select(models.c.project_id).where(models.c.name == job.model_name).scalar_subquery(),
-            DEFAULT_PROJECT_ID,
-        ),
+        "project_id": _project_of(job.model_name),
+        "fair_seq": statements.fair_place(_project_of(job.model_name)),
     }
+
+
+def _project_of(model_name: str) -> Any:
+    return func.coalesce(
+        select(models.c.project_id).where(models.c.name == model_name).scalar_subquery(),
+        DEFAULT_PROJECT_ID,
+    )
 
 
 async def enqueue(executor: Executor, job: NewJob) -> JobRow:
@@ -560,7 +565,7 @@ class SqliteStore(QueueStore):
     ) -> list[Claim]:
         now = utcnow()
         fits = statements.fits_on_sqlite if capabilities is not None else None
-        query = statements.claim_query(fits=fits)
+        query = statements.claim_query(fits=fits, quota=statements.Quota.ALL)
         fit: dict[str, Any] = {}
         if capabilities is not None:
             fit = {
@@ -573,8 +578,16 @@ class SqliteStore(QueueStore):
             wanted = limit - len(claims)
             rows = (await conn.execute(query, {"now": now, "page": wanted * 4, **fit})).all()
             picked: dict[str, Row[Any]] = {}
+            room: dict[str, int] = {}  # what is left of each project's running quota
             for row in rows:
-                picked.setdefault(row.model_name, row)
+                if row.model_name in picked:
+                    continue
+                if row.room is not None:
+                    left = room.setdefault(row.project_id, row.room)
+                    if left <= 0:
+                        continue
+                    room[row.project_id] = left - 1
+                picked[row.model_name] = row
                 if len(picked) == wanted:
                     break
             for row in picked.values():
@@ -620,6 +633,28 @@ class PostgresStore(QueueStore):
     clock."""
 
     clock = statements.LeaseClock.DATABASE
+    quota_check_seconds: ClassVar[float] = 2.0
+    """How long a process trusts its read of whether any project has a running quota."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        super().__init__(engine)
+        self._quotas_read_at = -float("inf")
+        self._quotas = False
+
+    async def _any_running_quota(self) -> bool:
+        """Whether some project has a running quota (read again every few seconds). While
+        a new one is not yet seen, that project's jobs wait: the claim without locks takes
+        only projects that have none, read fresh by each claim."""
+        now = time.monotonic()
+        if now - self._quotas_read_at >= self.quota_check_seconds:
+            async with self.engine.connect() as conn:
+                self._quotas = bool(
+                    await conn.scalar(
+                        select(exists().where(statements.projects.c.max_running_jobs.is_not(None)))
+                    )
+                )
+            self._quotas_read_at = now
+        return self._quotas
 
     async def claim(
         self,
@@ -630,8 +665,14 @@ class PostgresStore(QueueStore):
         capabilities: Capabilities | None = None,
     ) -> list[Claim]:
         """Each look is one statement (`statements.claim_statement`), so what one look
-        claimed stays claimed if a later look collides."""
-        statement = statements.claim_statement(fitted=capabilities is not None)
+        claimed stays claimed if a later look collides.
+
+        Where a project has a running quota, the looks run in one transaction that first
+        locks those projects' rows (SKIP LOCKED: another claimer holds them, and takes their
+        jobs meanwhile): the running jobs each look counts were committed before the lock
+        was taken, or by this transaction, so no two claimers both see the last free slot.
+        """
+        fitted = capabilities is not None
         fit: dict[str, Any] = {}
         if capabilities is not None:
             fit = {
@@ -639,37 +680,70 @@ class PostgresStore(QueueStore):
                 "w_backends": list(capabilities.backends),
                 "w_labels": dict(capabilities.labels),
             }
+        if not await self._any_running_quota():
+            async with self.engine.connect() as conn:
+                conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
+                statement = statements.claim_statement(fitted, statements.Quota.UNLIMITED)
+                return await self._looks(conn, statement, owner, lease_seconds, limit, fit)
+        async with self.engine.begin() as conn:
+            locked = (
+                await conn.scalars(
+                    select(statements.projects.c.id)
+                    .where(statements.projects.c.max_running_jobs.is_not(None))
+                    .order_by(statements.projects.c.id)
+                    .with_for_update(skip_locked=True)
+                )
+            ).all()
+            statement = statements.claim_statement(fitted, statements.Quota.LOCKED)
+            fit["w_locked"] = list(locked)
+            return await self._looks(
+                conn, statement, owner, lease_seconds, limit, fit, savepoints=True
+            )
+
+    async def _looks(
+        self,
+        conn: AsyncConnection,
+        statement: Any,
+        owner: str,
+        lease_seconds: float,
+        limit: int,
+        fit: dict[str, Any],
+        *,
+        savepoints: bool = False,
+    ) -> list[Claim]:
+        """Claim statements until `limit` jobs are claimed or none is left. `savepoints`:
+        `conn` is in a transaction, and each look runs in a savepoint, so a look that
+        collides leaves what earlier looks claimed."""
         claims: list[Claim] = []
         collisions = 0
-        async with self.engine.connect() as conn:
-            conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
-            while len(claims) < limit:
-                wanted = limit - len(claims)
-                now = utcnow()
-                params = {
-                    "now": now,
-                    "page": wanted * 4,
-                    "wanted": wanted,
-                    "v_secret": secrets.token_hex(16),
-                    "v_owner": owner,
-                    "v_lease_seconds": lease_seconds,
-                    **fit,
-                }
-                try:
+        while len(claims) < limit:
+            wanted = limit - len(claims)
+            params = {
+                "now": utcnow(),
+                "page": wanted * 4,
+                "wanted": wanted,
+                "v_secret": secrets.token_hex(16),
+                "v_owner": owner,
+                "v_lease_seconds": lease_seconds,
+                **fit,
+            }
+            try:
+                if savepoints:
+                    async with conn.begin_nested():
+                        rows = (await conn.execute(statement, params)).all()
+                else:
                     rows = (await conn.execute(statement, params)).all()
-                except IntegrityError:
-                    collisions += 1  # as in SqliteStore: another worker, same model
-                    if collisions == CLAIM_COLLISIONS:
-                        break
-                    continue
-                for row in sorted(rows, key=lambda r: r.id):
-                    claims.append(
-                        _claim(
-                            row, row, token=row.lease_token, owner=owner, start_step=row.start_step
-                        )
-                    )
-                if not rows or rows[0].candidates < wanted * 4:
-                    break  # every eligible job was seen (see `SqliteStore._claim_once`)
+            except IntegrityError:
+                collisions += 1  # as in SqliteStore: another worker, same model
+                if collisions == CLAIM_COLLISIONS:
+                    break
+                continue
+            for row in sorted(rows, key=lambda r: r.id):
+                claims.append(
+                    _claim(row, row, token=row.lease_token, owner=owner, start_step=row.start_step)
+                )
+            if not rows or rows[0].candidates < wanted * 4:
+                break  # every eligible job was seen (see `SqliteStore._claim_once`)
         return claims
 
     async def _final_once(self, lease: Lease, write: FinalWrite, only_if_expired: bool) -> bool:

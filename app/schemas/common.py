@@ -139,6 +139,8 @@ def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
         409: "Conflict with the current state",
         413: "Request body too large",
         422: "Validation failed; `errors` lists each failing field",
+        429: "A quota of the project refuses it (`quota` names it, `limit` its value); "
+        "nothing was stored; retry after `Retry-After` seconds",
         503: "A dependency is unavailable; retry after `Retry-After` seconds",
     }
     return {

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
+from pydantic import AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Field
 
 Scope = Literal["admin", "write", "read", "sample"]
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
@@ -72,3 +72,66 @@ class AuditEvent(BaseModel):
     resource_id: str | None
     status: int
     request_id: str
+
+
+QUOTA_MAX = 1_000_000_000
+
+
+def _whole(value: object) -> object:
+    """JSON has one number type: 5.0 is the integer 5 (as JSON Schema's `integer` says);
+    5.5, "5" and true stay what they are, and are refused."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Whole = Annotated[int | None, BeforeValidator(_whole)]
+
+
+class Quotas(BaseModel):
+    """A project's quotas; a missing or null one: no limit."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    running_jobs: Whole = Field(
+        default=None,
+        ge=0,
+        le=QUOTA_MAX,
+        description="Jobs holding a worker at once (a run's children count; a run does not). "
+        "Over it, jobs wait queued, saying so in `waiting_for`; 0 holds every job.",
+    )
+    queued_jobs: Whole = Field(
+        default=None,
+        ge=0,
+        le=QUOTA_MAX,
+        description="Jobs queued at once, of every kind, a run's children too. A submission "
+        "that would pass it is refused with 429.",
+    )
+    submissions_per_minute: Whole = Field(
+        default=None,
+        ge=0,
+        le=QUOTA_MAX,
+        description="Jobs and runs submitted through the API in any 60 seconds (not the jobs "
+        "a run or a rollout makes). Over it: 429 with `Retry-After`.",
+    )
+    trainer_seconds_per_day: Whole = Field(
+        default=None,
+        ge=0,
+        le=QUOTA_MAX,
+        description="Seconds training jobs ran (each from its last claim to its end, or to "
+        "now) in the current UTC day. Once used up, submissions are refused with 429 and "
+        "`Retry-After` until midnight UTC; what was queued still runs.",
+    )
+
+
+class QuotaUsage(BaseModel):
+    running_jobs: int
+    queued_jobs: int
+    submissions_last_minute: int
+    trainer_seconds_today: float
+
+
+class ProjectQuotas(BaseModel):
+    project_id: str
+    quotas: Quotas
+    usage: QuotaUsage = Field(description="What the project uses of each, now.")

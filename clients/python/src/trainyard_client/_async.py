@@ -810,6 +810,32 @@ class Projects(_Resource):
     async def get(self, project_id: str) -> m.Project:
         return await self._send(calls.projects_get(project_id))
 
+    @operation("projects-get_quotas")
+    async def get_quotas(self, project_id: str) -> m.ProjectQuotas:
+        """The project's quotas, and what it uses of each now."""
+        return await self._send(calls.projects_get_quotas(project_id))
+
+    @operation("projects-set_quotas")
+    async def set_quotas(
+        self,
+        project_id: str,
+        *,
+        running_jobs: int | None = None,
+        queued_jobs: int | None = None,
+        submissions_per_minute: int | None = None,
+        trainer_seconds_per_day: int | None = None,
+    ) -> m.ProjectQuotas:
+        """Set every quota of the project (an admin key); one left None: no limit. Over
+        `running_jobs`, jobs wait queued; over the others a submission raises
+        `RateLimitedError` (429) naming the quota."""
+        body = {
+            "running_jobs": running_jobs,
+            "queued_jobs": queued_jobs,
+            "submissions_per_minute": submissions_per_minute,
+            "trainer_seconds_per_day": trainer_seconds_per_day,
+        }
+        return await self._send(calls.projects_set_quotas(project_id, body))
+
     @operation("projects-create_key")
     async def create_key(
         self,

@@ -93,6 +93,8 @@ OPERATIONS: dict[str, tuple[str, str]] = {
     "projects-create": ("POST", "/v1/projects"),
     "projects-list": ("GET", "/v1/projects"),
     "projects-get": ("GET", "/v1/projects/{project_id}"),
+    "projects-get_quotas": ("GET", "/v1/projects/{project_id}/quotas"),
+    "projects-set_quotas": ("PUT", "/v1/projects/{project_id}/quotas"),
     "projects-create_key": ("POST", "/v1/projects/{project_id}/keys"),
     "projects-list_keys": ("GET", "/v1/projects/{project_id}/keys"),
     "projects-revoke_key": ("DELETE", "/v1/projects/{project_id}/keys/{key_id}"),
@@ -677,6 +679,16 @@ def projects_list(*, after: str | None = None, limit: int | None = None) -> Call
 
 def projects_get(project_id: str) -> Call[m.Project]:
     return _call("projects-get", _json(m.Project), project_id=project_id)
+
+
+def projects_get_quotas(project_id: str) -> Call[m.ProjectQuotas]:
+    return _call("projects-get_quotas", _json(m.ProjectQuotas), project_id=project_id)
+
+
+def projects_set_quotas(project_id: str, body: Mapping[str, Any]) -> Call[m.ProjectQuotas]:
+    # A PUT: a second copy sets the same quotas.
+    call = _call("projects-set_quotas", _json(m.ProjectQuotas), project_id=project_id)
+    return _replace(call, json=dict(body))
 
 
 def projects_create_key(project_id: str, body: Mapping[str, Any]) -> Call[m.ApiKeyCreated]:

@@ -80,6 +80,8 @@ class RetryPolicy:
             return None
         delay = self.backoff(sent.count)
         asked = retry_after(response)
+        if asked is not None and asked > self.max_retry_after:
+            return None  # longer than this client waits (a project's daily budget): raise
         if asked is not None:
             # At least what the server asks, plus a little jitter so clients told the same
             # second do not all come back in it.

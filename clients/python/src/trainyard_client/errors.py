@@ -124,6 +124,10 @@ class ValidationError(APIError):
 
 
 class RateLimitedError(APIError):
+    """429: too many requests, or a quota of the project refuses a submission (the
+    problem's `quota` and `limit` name it); nothing was stored. The client retries it
+    after `Retry-After` unless that is longer than its `max_retry_after`."""
+
     status_code = 429
 
 

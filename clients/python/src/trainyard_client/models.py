@@ -441,6 +441,28 @@ class Project(_Wire):
     created_at: datetime
 
 
+class Quotas(_Wire):
+    """A project's quotas; None: no limit."""
+
+    running_jobs: int | None = None
+    queued_jobs: int | None = None
+    submissions_per_minute: int | None = None
+    trainer_seconds_per_day: int | None = None
+
+
+class QuotaUsage(_Wire):
+    running_jobs: int
+    queued_jobs: int
+    submissions_last_minute: int
+    trainer_seconds_today: float
+
+
+class ProjectQuotas(_Wire):
+    project_id: str
+    quotas: Quotas
+    usage: QuotaUsage
+
+
 class ApiKey(_Wire):
     id: str
     project_id: str
