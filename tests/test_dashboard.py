@@ -329,3 +329,33 @@ def test_a_list_follows_its_jobs_statuses(page, server) -> None:
     wait(page, lambda d: text(d, badge) == "running", "the job running in the list")
     assert client.post(f"{job_url}/cancel").status_code == 200
     wait(page, lambda d: text(d, badge) == "cancelled", "the list to show it cancelled")
+
+
+def test_a_project_key_sees_only_its_projects_models(browser, server, tmp_path) -> None:
+    """Signed in with a project's key, the dashboard shows that project's models, not the
+    default project's `demo` (issue 28 §2: the dashboard reads through the API, as the key)."""
+    url, admin = server
+    made = admin.post("/v1/projects", json={"name": "dashboard-viewers"})
+    assert made.status_code == 201, made.text
+    project_id = made.json()["id"]
+
+    def secret(scopes: list[str]) -> str:
+        key = admin.post(f"/v1/projects/{project_id}/keys", json={"name": "k", "scopes": scopes})
+        assert key.status_code == 201, key.text
+        return str(key.json()["secret"])
+
+    writer, reader = secret(["write"]), secret(["read"])
+    registered = admin.post(
+        "/v1/models",
+        json={"name": "viewers-model", "base_model": "tiny", "backend": "dry-run"},
+        headers={"Authorization": f"Bearer {writer}"},
+    )
+    assert registered.status_code == 201, registered.text
+    browser.get(f"{url}/dashboard/")
+    browser.execute_script("sessionStorage.setItem('trainyard.apiKey', arguments[0])", reader)
+    browser.get(f"{url}/dashboard/#/models")
+    wait(browser, lambda d: count(d, "[data-model='viewers-model']"), "the project's model")
+    assert count(browser, "[data-model='demo']") == 0
+    screenshot(browser, tmp_path, "project-models")
+    # Back to the admin key for the tests that follow.
+    browser.execute_script("sessionStorage.setItem('trainyard.apiKey', arguments[0])", KEY)
