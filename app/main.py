@@ -27,6 +27,7 @@ from app.api import (
     runs,
     tinker,
     training_jobs,
+    usage,
     webhooks,
     workers,
 )
@@ -136,6 +137,7 @@ def create_app(
         workers.router,
         projects.router,
         projects.audit_router,
+        usage.router,
         docs.router(app),
         tinker.router,
         dashboard.router(),
@@ -156,6 +158,7 @@ def create_app(
         workers.router,
         projects.router,
         projects.audit_router,
+        usage.router,
         gateway.router,
     ]
     _document_problems(app, reading_order, open_paths)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from functools import lru_cache
 from pathlib import Path
@@ -279,6 +280,19 @@ class Settings(BaseSettings):
         "serves every step of a model on such a base from its pool (vLLM with runtime LoRA "
         "updating, or `trainyard serve-pool`), loading each step's adapter as `name@N`.",
     )
+    prices: dict[str, float] = Field(
+        default_factory=dict,
+        description="Prices for the estimated cost in `GET /v1/usage`, as JSON: per "
+        "trainer-hour (training jobs) and per rollout-hour (rollout and evaluation jobs: "
+        "sampling and grading), each for every backend (`trainer_hour`, `rollout_hour`) or "
+        'one backend\'s own (`trainer_hour:cpu`), e.g. `{"trainer_hour": 2.5, '
+        '"trainer_hour:cpu": 0.1, "rollout_hour": 1.2}`. A price not given is 0.',
+    )
+    price_currency: str = Field(
+        default="USD",
+        pattern=r"^[A-Z]{3}$",
+        description="The currency of `TRAINYARD_PRICES` (an ISO 4217 code).",
+    )
     serving_retry_after_seconds: int = Field(
         default=1, ge=1, le=3600, description="`Retry-After` of a 429 for a saturated model."
     )
@@ -469,6 +483,20 @@ class Settings(BaseSettings):
                     raise ValueError(f"{url!r} (pool of {base!r}) is an http:// or https:// URL")
         return {base: [url.rstrip("/") for url in replicas] for base, replicas in value.items()}
 
+    @field_validator("prices")
+    @classmethod
+    def _prices(cls, value: dict[str, float]) -> dict[str, float]:
+        for name, price in value.items():
+            unit, _, backend = name.partition(":")
+            if unit not in PRICE_UNITS or (name != unit and not backend):
+                raise ValueError(
+                    f"{name!r}: a price is `trainer_hour` or `rollout_hour`, or one of them "
+                    "with `:<backend>`"
+                )
+            if not math.isfinite(price) or price < 0:
+                raise ValueError(f"{name!r}: a price is a finite number >= 0")
+        return value
+
     @field_validator("checkpoint_s3_endpoint")
     @classmethod
     def _endpoint(cls, value: str | None) -> str | None:
@@ -516,6 +544,9 @@ def parse_checkpoint_url(url: str) -> tuple[Literal["file", "s3"], str, str]:
     raise ValueError(
         f"{url!r}: a checkpoint URL is an absolute directory, file:///dir or s3://bucket/prefix"
     )
+
+
+PRICE_UNITS = ("trainer_hour", "rollout_hour")
 
 
 @lru_cache

@@ -40,7 +40,12 @@ SCHEMAS = SPEC["components"]["schemas"]
 # name the model `{name}`; its sub-resources call it `model`, as the job bodies do. A run's
 # routes name it `{run_id}` or `{job_id}`; what every kind of job shares takes `job_id`.
 RENAMED = {"Idempotency-Key": {"idempotency_key"}, "if-match": {"if_match"}}
-RENAMED_UNDER = {"checkpoints-": {"name": {"model"}}, "runs-": {"run_id": {"run_id", "job_id"}}}
+RENAMED_UNDER = {
+    "checkpoints-": {"name": {"model"}},
+    "runs-": {"run_id": {"run_id", "job_id"}},
+    # `from` is a Python keyword: the client takes the window as since / until.
+    "usage-": {"from": {"since"}, "to": {"until"}},
+}
 # Set by the client itself: the stream resumes with Last-Event-ID after a reconnection.
 INTERNAL = {"Last-Event-ID"}
 

@@ -335,6 +335,9 @@ def _every_operation(url: str, tiny: Path, workdir: Path) -> set[str]:
         capped = client.projects.set_quotas(project.id, running_jobs=2, queued_jobs=5)
         assert (capped.quotas.running_jobs, capped.quotas.submissions_per_minute) == (2, None)
         assert client.projects.get_quotas(project.id).usage.queued_jobs == 0
+        spent = client.usage.get(group_by="model")
+        assert spent.group_by == "model" and spent.total.jobs == sum(r.jobs for r in spent.data)
+        assert "sdk" in {r.group for r in spent.data}  # its training job above ran
         made = client.projects.create_key(project.id, name="ops", scopes=["admin"])
         with Trainyard(url, http_client=http, retry=FAST, api_key=made.secret) as keyed:
             [listed_key] = keyed.projects.list_keys(project.id).data

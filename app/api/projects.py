@@ -42,14 +42,14 @@ RFC3339 = (
     r"^[0-9]{4}-[0-9]{2}-[0-9]{2}[Tt][0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]{1,6})?"
     r"([Zz]|[+-][0-9]{2}:[0-9]{2})$"
 )
-_TIME: dict[str, Any] = {
+TIME: dict[str, Any] = {
     "pattern": RFC3339,
     "max_length": 40,
     "json_schema_extra": {"format": "date-time"},
 }
 
 
-def _time(name: str, value: str | None) -> datetime | None:
+def parse_time(name: str, value: str | None) -> datetime | None:
     """An RFC 3339 time with its offset (the pattern checked its shape); 422 for a date or
     time that does not exist."""
     if value is None:
@@ -222,11 +222,11 @@ async def list_audit(
         str | None,
         Query(pattern=NO_NUL, max_length=256, description="A route template: `/v1/models`."),
     ] = None,
-    since: Annotated[str | None, Query(**_TIME, description="At or after this time.")] = None,
-    until: Annotated[str | None, Query(**_TIME, description="Before this time.")] = None,
+    since: Annotated[str | None, Query(**TIME, description="At or after this time.")] = None,
+    until: Annotated[str | None, Query(**TIME, description="Before this time.")] = None,
 ) -> Page[AuditEvent]:
     require_admin(caller)
-    since_at, until_at = _time("since", since), _time("until", until)
+    since_at, until_at = parse_time("since", since), parse_time("until", until)
     if (tenants := _tenants(request)) is not None:
         await tenants.audit.flush()  # every answer sent before this one is in the page
     items, has_more = await service.list_audit(

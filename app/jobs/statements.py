@@ -231,6 +231,10 @@ def claim_query(
     their models' rows too; `quota`: which projects (`Quota`)."""
     limit = projects.c.max_running_jobs
     running = running_in(jobs.c.project_id)
+    if quota is Quota.UNLIMITED:
+        room: ColumnElement[Any] = literal(None, Integer)
+    else:
+        room = case((limit.is_(None), None), else_=limit - running)
     query = (
         select(
             jobs.c.id,
@@ -238,7 +242,7 @@ def claim_query(
             jobs.c.kind,
             jobs.c.project_id,
             jobs.c.fair_seq,
-            case((limit.is_(None), None), else_=limit - running).label("room"),
+            room.label("room"),
             models.c.project,
             models.c.base_model,
             models.c.backend,
@@ -247,7 +251,6 @@ def claim_query(
             models.c.step_known,
         )
         .join(models, models.c.name == jobs.c.model_name)
-        .join(projects, projects.c.id == jobs.c.project_id)
         .where(
             jobs.c.status == QUEUED,
             jobs.c.kind != RUN,  # runs are advanced by their driver, never claimed
@@ -260,12 +263,16 @@ def claim_query(
         .limit(bindparam("page"))
     )
     if quota is Quota.UNLIMITED:
-        query = query.where(limit.is_(None))
-    elif quota is Quota.LOCKED:
-        locked = jobs.c.project_id == any_(bindparam("w_locked", type_=ARRAY(String)))
-        query = query.where(or_(limit.is_(None), and_(locked, limit > running)))
+        # No project row joined or locked: the projects with a running quota, left out.
+        capped = select(projects.c.id).where(limit.is_not(None))
+        query = query.where(jobs.c.project_id.not_in(capped))
     else:
-        query = query.where(or_(limit.is_(None), limit > running))
+        query = query.join(projects, projects.c.id == jobs.c.project_id)
+        if quota is Quota.LOCKED:
+            locked = jobs.c.project_id == any_(bindparam("w_locked", type_=ARRAY(String)))
+            query = query.where(or_(limit.is_(None), and_(locked, limit > running)))
+        else:
+            query = query.where(or_(limit.is_(None), limit > running))
     if fits is not None:
         query = query.where(*fits())
     if lock_models:
@@ -424,18 +431,23 @@ def claim_statement(fitted: bool = False, quota: Quota = Quota.UNLIMITED) -> Sel
         .order_by(candidate.c.model_name, candidate.c.fair_seq, candidate.c.id)
         .cte("first")
     )
-    nth = (
-        func.row_number()
-        .over(partition_by=first.c.project_id, order_by=(first.c.fair_seq, first.c.id))
-        .label("nth")
-    )
-    ranked = select(first, nth).cte("ranked")
-    picked = (
-        select(ranked)
-        .where(or_(ranked.c.room.is_(None), ranked.c.nth <= ranked.c.room))
-        .order_by(ranked.c.fair_seq, ranked.c.id)
-        .limit(bindparam("wanted"))
-    ).cte("picked")
+    if quota is Quota.UNLIMITED:
+        picked = (
+            select(first).order_by(first.c.fair_seq, first.c.id).limit(bindparam("wanted"))
+        ).cte("picked")
+    else:  # each capped project's jobs up to its room
+        nth = (
+            func.row_number()
+            .over(partition_by=first.c.project_id, order_by=(first.c.fair_seq, first.c.id))
+            .label("nth")
+        )
+        ranked = select(first, nth).cte("ranked")
+        picked = (
+            select(ranked)
+            .where(or_(ranked.c.room.is_(None), ranked.c.nth <= ranked.c.room))
+            .order_by(ranked.c.fair_seq, ranked.c.id)
+            .limit(bindparam("wanted"))
+        ).cte("picked")
     owner = bindparam("v_owner", type_=String)
     # The database's clock, read while the statement runs (not the worker's, read before
     # sending it): a claim that saw the model's previous job end is stamped after that

@@ -135,3 +135,24 @@ class ProjectQuotas(BaseModel):
     project_id: str
     quotas: Quotas
     usage: QuotaUsage = Field(description="What the project uses of each, now.")
+
+
+class UsageRow(BaseModel):
+    group: str = Field(
+        description="The day (`YYYY-MM-DD`, UTC), model, run id or job kind; `total` for the sum."
+    )
+    jobs: int = Field(default=0, description="Jobs counted (each one's last attempt).")
+    trainer_seconds: float = Field(default=0.0, description="Training jobs' time.")
+    rollout_seconds: float = Field(
+        default=0.0, description="Rollout and evaluation jobs' time: sampling and grading."
+    )
+    cost: float = Field(default=0.0, description="Estimated from `TRAINYARD_PRICES`.")
+
+
+class Usage(BaseModel):
+    since: datetime = Field(description="`from`: jobs that started at or after it.")
+    until: datetime = Field(description="`to`: and before it.")
+    group_by: Literal["day", "model", "run", "kind"]
+    currency: str
+    data: list[UsageRow]
+    total: UsageRow

@@ -99,6 +99,7 @@ OPERATIONS: dict[str, tuple[str, str]] = {
     "projects-list_keys": ("GET", "/v1/projects/{project_id}/keys"),
     "projects-revoke_key": ("DELETE", "/v1/projects/{project_id}/keys/{key_id}"),
     "audit-list": ("GET", "/v1/audit-events"),
+    "usage-get": ("GET", "/v1/usage"),
     "gateway-chat_completions": ("POST", "/openai/v1/chat/completions"),
     "gateway-models": ("GET", "/openai/v1/models"),
 }
@@ -730,6 +731,24 @@ def audit_list(
         until=None if until is None else until.isoformat(),
     )
     return _replace(call, params=params)
+
+
+def usage_get(
+    *,
+    since: datetime | None = None,
+    until: datetime | None = None,
+    group_by: str | None = None,
+    project_id: str | None = None,
+) -> Call[m.Usage]:
+    params = _params(
+        group_by=group_by,
+        project_id=project_id,
+        **{
+            "from": None if since is None else since.isoformat(),
+            "to": None if until is None else until.isoformat(),
+        },
+    )
+    return _replace(_call("usage-get", _json(m.Usage)), params=params)
 
 
 # --------------------------------------------------------------------------- workers

@@ -75,6 +75,7 @@ class Trainyard:
         self.workers = Workers(self)
         self.projects = Projects(self)
         self.audit_events = AuditEvents(self)
+        self.usage = UsageLedger(self)
         self.gateway = Gateway(self)
 
     @property
@@ -881,6 +882,25 @@ class AuditEvents(_Resource):
                 since=since,
                 until=until,
             )
+        )
+
+
+class UsageLedger(_Resource):
+    """What a project's jobs used, and its estimated cost."""
+
+    @operation("usage-get")
+    def get(
+        self,
+        *,
+        since: datetime | None = None,
+        until: datetime | None = None,
+        group_by: str | None = None,
+        project_id: str | None = None,
+    ) -> m.Usage:
+        """Trainer and rollout seconds of the jobs that started in [since, until), grouped
+        by `day`, `model`, `run` or `kind`, priced by the server's price table."""
+        return self._send(
+            calls.usage_get(since=since, until=until, group_by=group_by, project_id=project_id)
         )
 
 

@@ -491,6 +491,23 @@ class AuditEvent(_Wire):
     request_id: str
 
 
+class UsageRow(_Wire):
+    group: str
+    jobs: int = 0
+    trainer_seconds: float = 0.0
+    rollout_seconds: float = 0.0
+    cost: float = 0.0
+
+
+class Usage(_Wire):
+    since: datetime
+    until: datetime
+    group_by: str
+    currency: str
+    data: list[UsageRow]
+    total: UsageRow
+
+
 class WebhookEndpointHealth(_Wire):
     breaker: str
     consecutive_timeouts: int

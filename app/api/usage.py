@@ -1,0 +1,61 @@
+"""What a project used, and its estimated cost (issue 28 §4: seconds; tokens not yet)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Query, Request
+
+from app.api.deps import Caller, Session
+from app.api.projects import TIME, parse_time
+from app.db import utcnow
+from app.errors import not_found
+from app.schemas.common import NO_NUL, problem_responses
+from app.schemas.tenants import Usage
+from app.tenants import usage as ledger
+
+router = APIRouter(prefix="/v1/usage", tags=["usage"], responses=problem_responses(401, 403))
+DEFAULT_DAYS = 30
+
+
+@router.get(
+    "",
+    name="get",
+    response_model=Usage,
+    summary="What the key's project used (an admin: every project, or `project_id`'s): "
+    "trainer and rollout seconds of the jobs that started in [`from`, `to`), grouped, with "
+    "their estimated cost",
+    description="Each job counts from its last claim to its end (or to now while it runs), "
+    "on the UTC day it started. `from` defaults to 30 days before `to`, `to` to now (a "
+    "`from` at or after `to`: an empty window). Tokens sampled and trained are not counted "
+    "yet.",
+    responses=problem_responses(404, 422),
+)
+async def get(
+    request: Request,
+    session: Session,
+    caller: Caller,
+    since: Annotated[
+        str | None, Query(alias="from", **TIME, description="At or after this time.")
+    ] = None,
+    until: Annotated[str | None, Query(alias="to", **TIME, description="Before this time.")] = None,
+    group_by: Literal["day", "model", "run", "kind"] = "day",
+    project_id: Annotated[
+        str | None,
+        Query(pattern=NO_NUL, max_length=40, description="An admin's choice of project."),
+    ] = None,
+) -> Usage:
+    if project_id is not None and not caller.admin and project_id != caller.owner:
+        raise not_found("project", project_id, param="project_id", location="query")
+    end = parse_time("to", until) or utcnow()
+    start = parse_time("from", since) or end - timedelta(days=DEFAULT_DAYS)
+    scope = project_id if caller.admin else caller.owner
+    return await ledger.usage(
+        session,
+        request.app.state.settings,
+        since=start,
+        until=end,
+        group_by=group_by,
+        project_id=scope,
+    )
