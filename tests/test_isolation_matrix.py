@@ -57,6 +57,8 @@ ADMIN_ONLY = [
 GATEWAY = "/openai/"
 # Every query that names a resource: as a path parameter does.
 RESOURCE_QUERIES = {"get /v1/evaluation-jobs/compare": ("a", "b")}
+# List filters that name one of A's resources: B's list, filtered so, is still without A's.
+FILTERS = {"model": "a-roll", "name": "a-data"}
 # Bodies that name a model (or dataset) of A: B is refused as for one that does not exist.
 NAMES_A = {
     "post /v1/training-jobs",
@@ -74,8 +76,8 @@ class Seed:
     project_a: str
     names: dict[str, str] = field(default_factory=dict)  # path parameter -> A's resource
     ids: set[str] = field(default_factory=set)  # every id of A a list may not show B
-    running: str = ""
-    worker: str = ""
+    compared: list[str] = field(default_factory=list)  # two evaluations: compare's a, b
+    running: str = ""  # a job of A a worker runs now
 
 
 def _ops() -> Iterator[tuple[str, str, dict[str, Any]]]:
@@ -143,7 +145,7 @@ def _body(method: str, path: str, who: str, seed: Seed) -> dict[str, Any]:
     }
     cell = f"{method} {path}"
     if cell in RESOURCE_QUERIES:
-        return {"params": {q: seed.names["evaluation"][i] for i, q in enumerate("ab")}}
+        return {"params": dict(zip(RESOURCE_QUERIES[cell], seed.compared, strict=True))}
     return bodies.get(cell, {})
 
 
@@ -249,8 +251,7 @@ async def _seed(c: httpx.AsyncClient, a: dict[str, str], data_dir: Path) -> Seed
         )
         evaluations.append(evaluation["id"])
         await ended(f"/v1/evaluation-jobs/{evaluation['id']}", {"succeeded"})
-    seed.names["evaluation-jobs"] = evaluations[0]
-    seed.names["evaluation"] = evaluations  # type: ignore[assignment]  # compare's a and b
+    seed.names["evaluation-jobs"], seed.compared = evaluations[0], evaluations
     run = await made("POST", "/v1/runs", json=_run("a-roll", dataset["id"]))
     await ended(f"/v1/runs/{run['id']}", {"succeeded"})
     seed.names["runs"] = seed.names["run_id"] = run["id"]
@@ -264,7 +265,7 @@ async def _seed(c: httpx.AsyncClient, a: dict[str, str], data_dir: Path) -> Seed
     await made("PUT", "/v1/models/a-dry/aliases/kept", json={"step": int(seed.names["step"])})
     await made("PUT", "/v1/models/a-dry/retention", json={"keep_last": 1000})
     workers = (await c.get("/v1/workers", headers=a)).json()
-    seed.worker = seed.names["worker_id"] = workers[0]["id"]
+    seed.names["worker_id"] = workers[0]["id"]
     seed.ids = {
         "a-dry",
         "a-slow",
@@ -316,6 +317,11 @@ def check(cell: str, rule: str | int, status: int, kind: str, body: bytes, seed:
         assert status == rule, (cell, status, body[:500])
         if status in (401, 403, 404) and "/openai/" not in cell:
             assert kind == "application/problem+json", (cell, kind)
+
+
+def _filters(op: dict[str, Any]) -> dict[str, str]:
+    query = [p["name"] for p in op.get("parameters", []) if p["in"] == "query"]
+    return {name: FILTERS[name] for name in query if name in FILTERS}
 
 
 def _order(cell: tuple[str, str, str]) -> tuple[int, str, str, str]:
@@ -402,6 +408,9 @@ async def test_every_operation_as_every_caller(
                     c, method, _fill(path, seed), callers[who], **_body(method, path, who, seed)
                 )
                 check(f"{method.upper()} {path} as {who}", rule, status, kind, body, seed)
+                if rule == LISTED and (filters := _filters(ops[(method, path)])):
+                    status, kind, body = await _call(c, method, path, callers[who], params=filters)
+                    check(f"GET {path}?{filters} as {who}", rule, status, kind, body, seed)
                 if (method, path, who) == refusals[-1]:
                     # Every refusal is made: none stored a job or run.
                     assert await stored() == before
@@ -420,8 +429,7 @@ async def test_open_routes_outside_the_document_need_no_key(serve: Callable[...,
 def test_an_operation_no_rule_covers_is_named(monkeypatch: Any) -> None:
     """A new route whose path names something the matrix cannot fill, or whose body it has
     no example of, fails the matrix by name instead of passing untested."""
-    names = {"dataset_id": "ds", "step": "1", "evaluation": ["e1", "e2"]}
-    seed = Seed(project_a="p", names=names)  # type: ignore[arg-type]
+    seed = Seed(project_a="p", names={"dataset_id": "ds", "step": "1"}, compared=["e1", "e2"])
     paths = dict(DOCUMENT["paths"])
     paths["/v1/things/{thing_id}"] = {"post": {"security": [], "requestBody": {}}}
     monkeypatch.setitem(DOCUMENT, "paths", paths)
