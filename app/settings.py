@@ -380,7 +380,8 @@ class Settings(BaseSettings):
     webhook_max_endpoints: int = Field(
         default=100,
         ge=1,
-        description="Webhook endpoints this deployment may have; registering one more is a 409.",
+        description="Webhook endpoints each project may have; registering one more in that "
+        "project is a 409.",
     )
     webhook_poll_seconds: float = Field(
         default=1.0,

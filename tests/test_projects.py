@@ -516,3 +516,35 @@ async def test_idempotency_keys_are_each_projects_own(serve) -> None:
         again = await c.post("/v1/training-jobs", json=body, headers={**a_write, **same})
         assert again.json()["id"] == first.json()["id"]
         assert again.headers["idempotent-replayed"] == "true"
+
+
+async def test_the_worker_list_shows_a_key_only_its_projects_jobs(serve) -> None:
+    """Workers are shared; the ids of the jobs each runs are not: another project's running
+    job is left out (the isolation matrix found them listed)."""
+    from tests.factories import nat_collection
+
+    async with serve(**FRESH, worker_enabled=True) as live:
+        c = live.client
+        a, b = await project(c, "a"), await project(c, "b")
+        a_write = bearer((await key(c, a, "write"))["secret"])
+        b_read = bearer((await key(c, b, "read"))["secret"])
+        body = model_body("slow", seconds_per_step=3600)
+        assert (await c.post("/v1/models", json=body, headers=a_write)).status_code == 201
+        job = await c.post(
+            "/v1/training-jobs",
+            json={"model": "slow", "collection": nat_collection()},
+            headers=a_write,
+        )
+        job_id = job.json()["id"]
+
+        async def running() -> bool:
+            shown = await c.get(f"/v1/training-jobs/{job_id}", headers=a_write)
+            return bool(shown.json()["status"] == "running")
+
+        try:
+            await until(running, "the job running")
+            for who, jobs in ((a_write, [job_id]), (ROOT, [job_id]), (b_read, [])):
+                (worker,) = (await c.get("/v1/workers", headers=who)).json()
+                assert worker["jobs"] == jobs
+        finally:
+            await c.post(f"/v1/training-jobs/{job_id}/cancel", headers=ROOT)

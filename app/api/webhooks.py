@@ -8,7 +8,7 @@ from fastapi import APIRouter, Header, Query, Request, Response
 from pydantic import WithJsonSchema
 
 from app.api.body import Reading, json_body, read_json
-from app.api.deps import Cursor, JobId, Session
+from app.api.deps import Caller, Cursor, JobId, Session
 from app.egress import EgressPolicy
 from app.schemas.common import Page, problem_responses
 from app.schemas.webhooks import (
@@ -44,17 +44,20 @@ EndpointId = JobId
     "",
     response_model=WebhookEndpointCreated,
     status_code=201,
-    summary="Register a webhook endpoint (its secret is in this answer only); 409 past "
-    "`TRAINYARD_WEBHOOK_MAX_ENDPOINTS`",
+    summary="Register a webhook endpoint of the key's project (its secret is in this answer "
+    "only); 409 past `TRAINYARD_WEBHOOK_MAX_ENDPOINTS` in the project",
     responses=problem_responses(409, 413, 422),
     openapi_extra=json_body(WebhookEndpointCreate),
 )
-async def create(request: Request, session: Session, response: Response) -> WebhookEndpointCreated:
+async def create(
+    request: Request, session: Session, caller: Caller, response: Response
+) -> WebhookEndpointCreated:
     settings: Settings = request.app.state.settings
     endpoint = await service.create_endpoint(
         session,
         body=await read_json(request, CREATING),
         max_endpoints=settings.webhook_max_endpoints,
+        project_id=caller.owner,
     )
     await session.commit()
     response.headers["Location"] = f"/v1/webhooks/{endpoint.id}"
@@ -65,13 +68,19 @@ async def create(request: Request, session: Session, response: Response) -> Webh
     "",
     name="list",
     response_model=Page[WebhookEndpoint],
-    summary="List webhook endpoints, newest first",
+    summary="List the webhook endpoints of the key's project (an admin key: every "
+    "project's), newest first",
     responses=problem_responses(422),
 )
 async def list_all(
-    session: Session, after: Cursor = None, limit: Annotated[int, Query(ge=1, le=100)] = 20
+    session: Session,
+    caller: Caller,
+    after: Cursor = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
 ) -> Page[WebhookEndpoint]:
-    items, has_more = await service.list_endpoints(session, after=after, limit=limit)
+    items, has_more = await service.list_endpoints(
+        session, after=after, limit=limit, project_id=caller.sees
+    )
     return Page(data=items, has_more=has_more, next_cursor=items[-1].id if has_more else None)
 
 
@@ -81,8 +90,8 @@ async def list_all(
     summary="Get a webhook endpoint",
     responses=problem_responses(404),
 )
-async def get(endpoint_id: EndpointId, session: Session) -> WebhookEndpoint:
-    return service.to_wire(await service.get_endpoint(session, endpoint_id))
+async def get(endpoint_id: EndpointId, session: Session, caller: Caller) -> WebhookEndpoint:
+    return service.to_wire(await service.get_endpoint(session, endpoint_id, caller.sees))
 
 
 @router.patch(
@@ -92,9 +101,13 @@ async def get(endpoint_id: EndpointId, session: Session) -> WebhookEndpoint:
     responses=problem_responses(404, 413, 422),
     openapi_extra=json_body(WebhookEndpointUpdate),
 )
-async def update(endpoint_id: EndpointId, request: Request, session: Session) -> WebhookEndpoint:
+async def update(
+    endpoint_id: EndpointId, request: Request, session: Session, caller: Caller
+) -> WebhookEndpoint:
     body = await read_json(request, UPDATING)
-    endpoint = await service.update_endpoint(session, endpoint_id, body=body)
+    endpoint = await service.update_endpoint(
+        session, endpoint_id, body=body, project_id=caller.sees
+    )
     await session.commit()
     request.app.state.notifier.webhooks_due()  # enabled again: what waited is due
     return endpoint
@@ -114,6 +127,7 @@ async def rotate_secret(
     endpoint_id: EndpointId,
     request: Request,
     session: Session,
+    caller: Caller,
     if_match: Annotated[
         str | None,
         # A header is sent or not, never JSON null: no `null` branch in the schema.
@@ -132,6 +146,7 @@ async def rotate_secret(
         session,
         endpoint_id,
         grace_seconds=settings.webhook_secret_grace_seconds,
+        project_id=caller.sees,
         expected_version=expected,
     )
     await session.commit()
@@ -144,8 +159,8 @@ async def rotate_secret(
     summary="Remove a webhook endpoint and its delivery log",
     responses=problem_responses(404),
 )
-async def delete(endpoint_id: EndpointId, session: Session) -> Response:
-    await service.delete_endpoint(session, endpoint_id)
+async def delete(endpoint_id: EndpointId, session: Session, caller: Caller) -> Response:
+    await service.delete_endpoint(session, endpoint_id, caller.sees)
     await session.commit()
     return Response(status_code=204)
 
@@ -160,13 +175,16 @@ async def delete(endpoint_id: EndpointId, session: Session) -> Response:
 async def deliveries(
     endpoint_id: EndpointId,
     session: Session,
+    caller: Caller,
     after: Annotated[
         int | None,
         Query(ge=0, le=2**31 - 1, description="`next_cursor` of the previous page"),
     ] = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
 ) -> Page[WebhookDelivery]:
-    items, has_more = await service.list_deliveries(session, endpoint_id, after=after, limit=limit)
+    items, has_more = await service.list_deliveries(
+        session, endpoint_id, after=after, limit=limit, project_id=caller.sees
+    )
     cursor = str(items[-1].id) if has_more else None
     return Page(data=items, has_more=has_more, next_cursor=cursor)
 
@@ -179,8 +197,10 @@ async def deliveries(
     summary="Send the endpoint a `webhook.test` message (a worker sends it)",
     responses=problem_responses(404),
 )
-async def test(endpoint_id: EndpointId, request: Request, session: Session) -> WebhookDelivery:
-    delivery = await service.send_test(session, endpoint_id)
+async def test(
+    endpoint_id: EndpointId, request: Request, session: Session, caller: Caller
+) -> WebhookDelivery:
+    delivery = await service.send_test(session, endpoint_id, caller.sees)
     await session.commit()
     request.app.state.notifier.webhooks_due()
     return delivery

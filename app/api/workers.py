@@ -9,7 +9,7 @@ from typing import Annotated, Protocol, TypeVar
 from fastapi import APIRouter, Path, Request
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app.api.deps import Session
+from app.api.deps import Caller, Session
 from app.db import begin_write
 from app.jobs import pools, quotas
 from app.jobs.lifecycle import JobStatus
@@ -23,13 +23,16 @@ router = APIRouter(prefix="/v1/workers", tags=["workers"], responses=problem_res
     "",
     response_model=list[Worker],
     name="list",
-    summary="List live workers: pool, backends, labels, the jobs each runs, draining",
+    summary="List live workers: pool, backends, labels, the jobs each runs (a key that is "
+    "not admin: its project's only), draining",
     description="A worker is live while it heartbeats within the lease time "
     "(`TRAINYARD_LEASE_SECONDS`) and has not stopped; one that stopped heartbeating is gone "
     "after that time. Oldest first.",
 )
-async def list_all(request: Request, session: Session) -> list[Worker]:
-    return await pools.list_workers(session, lease_seconds=request.app.state.settings.lease_seconds)
+async def list_all(request: Request, session: Session, caller: Caller) -> list[Worker]:
+    return await pools.list_workers(
+        session, lease_seconds=request.app.state.settings.lease_seconds, project_id=caller.sees
+    )
 
 
 @router.post(

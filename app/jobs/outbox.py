@@ -4,7 +4,8 @@ A delivery row is written by the statement or transaction that changes the job's
 so a state change and its deliveries commit together or not at all, and a write repeated
 after it committed (its lease token is gone) writes neither again. Every state change
 appends a job event; `app.jobs.events.add_events` fans each event that is a webhook
-event out to the endpoints subscribed to it (`fan_out`), and on Postgres the one-statement
+event out to the endpoints of the job's project subscribed to it (`fan_out`: an
+endpoint never hears of another project's jobs), and on Postgres the one-statement
 final write does the same in a CTE (`app.jobs.statements.write_in_one`). The message id is
 the event's: `msg_<job id>_<seq>`; a unique key on (endpoint, message) holds it once.
 
@@ -128,8 +129,9 @@ COLUMNS = [
 
 @functools.cache
 def fan_out() -> Insert:
-    """One delivery per enabled endpoint subscribed to the event `w_seq` of job `w_job_id`,
-    whose webhook type is `w_job` for a job and `w_run` for a run (NULL: none)."""
+    """One delivery per enabled endpoint of the job's project subscribed to the event
+    `w_seq` of job `w_job_id`, whose webhook type is `w_job` for a job and `w_run` for a run
+    (NULL: none)."""
     now = bindparam("w_now", type_=UTCDateTime())
     kind_type = case(
         (jobs.c.kind == JobKind.run.value, bindparam("w_run", type_=String)),
@@ -150,7 +152,11 @@ def fan_out() -> Insert:
         .select_from(
             jobs.join(subscriptions, subscriptions.c.event_type == kind_type).join(
                 endpoints,
-                and_(endpoints.c.id == subscriptions.c.endpoint_id, endpoints.c.enabled),
+                and_(
+                    endpoints.c.id == subscriptions.c.endpoint_id,
+                    endpoints.c.enabled,
+                    endpoints.c.project_id == jobs.c.project_id,
+                ),
             )
         )
         .where(jobs.c.id == bindparam("w_job_id"))

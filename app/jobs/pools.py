@@ -151,8 +151,12 @@ async def waiting_for(
     return {job_id: reasons[model] for job_id, model in queued if model in reasons}
 
 
-async def list_workers(executor: Executor, *, lease_seconds: float) -> list[Worker]:
-    """Live workers (draining ones included), oldest first, with the jobs each runs."""
+async def list_workers(
+    executor: Executor, *, lease_seconds: float, project_id: str | None = None
+) -> list[Worker]:
+    """Live workers (draining ones included), oldest first, with the jobs each runs (with
+    `project_id`: only that project's; workers are shared, another project's jobs are not
+    shown)."""
     rows = (
         await executor.execute(
             select(workers).where(_live(lease_seconds)).order_by(workers.c.started_at, workers.c.id)
@@ -160,7 +164,7 @@ async def list_workers(executor: Executor, *, lease_seconds: float) -> list[Work
     ).all()
     running: dict[str, list[str]] = {row.id: [] for row in rows}
     if running:
-        held = await executor.execute(
+        query = (
             select(jobs.c.id, jobs.c.lease_owner)
             .where(
                 jobs.c.status == JobStatus.running.value,
@@ -169,6 +173,9 @@ async def list_workers(executor: Executor, *, lease_seconds: float) -> list[Work
             )
             .order_by(jobs.c.id)
         )
+        if project_id is not None:
+            query = query.where(jobs.c.project_id == project_id)
+        held = await executor.execute(query)
         for job_id, owner in held:
             running[owner].append(job_id)
     return [_wire(row, running[row.id]) for row in rows]

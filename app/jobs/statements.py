@@ -156,7 +156,7 @@ def job_update(
     keys: tuple[str, ...], only_if_expired: bool, unless_cancel: bool, clock: LeaseClock
 ) -> ReturningUpdate[Any]:
     """Set `v_<key>` on the lease's job and count `g_events` new events, returning the new
-    counter (and the id, for `write_in_one`); matches nothing once the lease is lost.
+    counter (and the id and project, for `write_in_one`); matches nothing once the lease is lost.
     `only_if_expired`: only while the lease is expired by the lease clock (recovery: its
     worker did not come back); `unless_cancel`: only if no cancel was asked."""
     extra = []
@@ -173,7 +173,7 @@ def job_update(
         update(jobs)
         .where(guarded(*extra))
         .values(values)
-        .returning(jobs.c.last_event_seq, jobs.c.id)
+        .returning(jobs.c.last_event_seq, jobs.c.id, jobs.c.project_id)
     )
 
 
@@ -390,7 +390,7 @@ def write_in_one(
 
 def _deliveries(job: Any, event: Any, seq: ColumnElement[Any]) -> Any:
     """The outbox rows of a one-statement final write: per webhook event, one per enabled
-    endpoint subscribed to it."""
+    endpoint of the job's project subscribed to it."""
     subs, endpoints = outbox.subscriptions, outbox.endpoints
     now = database_clock()
     rows = select(
@@ -406,7 +406,14 @@ def _deliveries(job: Any, event: Any, seq: ColumnElement[Any]) -> Any:
     ).select_from(
         job.join(event, true())
         .join(subs, subs.c.event_type == event.c.hook)
-        .join(endpoints, and_(endpoints.c.id == subs.c.endpoint_id, endpoints.c.enabled))
+        .join(
+            endpoints,
+            and_(
+                endpoints.c.id == subs.c.endpoint_id,
+                endpoints.c.enabled,
+                endpoints.c.project_id == job.c.project_id,
+            ),
+        )
     )
     return insert(outbox.deliveries).from_select(outbox.COLUMNS, rows)
 

@@ -23,7 +23,9 @@ class Worker(BaseModel):
     heartbeat_at: datetime = Field(
         description="Its last heartbeat; a worker silent for the lease time is gone."
     )
-    jobs: list[str] = Field(description="Ids of the jobs it runs now.")
+    jobs: list[str] = Field(
+        description="Ids of the jobs it runs now (for a key that is not admin: of its project)."
+    )
     draining: bool = Field(
         description="It stopped claiming (a drain was asked, or it got SIGTERM) and is "
         "finishing or handing back what it runs; it exits after."

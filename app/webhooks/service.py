@@ -91,17 +91,23 @@ ENDPOINTS_LOCK = 0x7472_7765  # "trwe": Postgres registrations count the endpoin
 
 
 async def create_endpoint(
-    session: AsyncSession, *, body: WebhookEndpointCreate, max_endpoints: int
+    session: AsyncSession, *, body: WebhookEndpointCreate, max_endpoints: int, project_id: str
 ) -> WebhookEndpointCreated:
-    """409 once the deployment has `max_endpoints` (registrations are counted one at a
-    time: SQLite's write lock, a Postgres advisory lock)."""
+    """An endpoint of `project_id`; 409 once that project has `max_endpoints`: the limit is
+    a project's, so one project cannot use up another's, and the count a refusal names is
+    its own (registrations are counted one at a time: SQLite's write lock, a Postgres
+    advisory lock)."""
     await begin_write(session)
     if session.get_bind().dialect.name == "postgresql":
         await session.execute(select(func.pg_advisory_xact_lock(ENDPOINTS_LOCK)))
-    count = await session.scalar(select(func.count()).select_from(WebhookEndpointRow))
+    count = await session.scalar(
+        select(func.count())
+        .select_from(WebhookEndpointRow)
+        .where(WebhookEndpointRow.project_id == project_id)
+    )
     if (count or 0) >= max_endpoints:
         raise ConflictError(
-            f"this deployment has {count} webhook endpoints, its limit "
+            f"this project has {count} webhook endpoints, its limit "
             f"(TRAINYARD_WEBHOOK_MAX_ENDPOINTS={max_endpoints}); remove one first",
             limit=max_endpoints,
         )
@@ -118,6 +124,7 @@ async def create_endpoint(
         enabled=body.enabled,
         created_at=now,
         updated_at=now,
+        project_id=project_id,
     )
     session.add(row)
     await session.flush()
@@ -128,33 +135,39 @@ async def create_endpoint(
     return WebhookEndpointCreated(**to_wire(row).model_dump(), secret=row.secret)
 
 
-async def get_endpoint(session: AsyncSession, endpoint_id: str) -> WebhookEndpointRow:
+async def get_endpoint(
+    session: AsyncSession, endpoint_id: str, project_id: str | None
+) -> WebhookEndpointRow:
+    """The endpoint; with `project_id`, only if it is that project's (another project's is
+    a 404 like a missing one)."""
     row = await session.get(WebhookEndpointRow, endpoint_id)
-    if row is None:
+    if row is None or (project_id is not None and row.project_id != project_id):
         raise not_found("webhook endpoint", endpoint_id, param="endpoint_id")
     return row
 
 
 async def list_endpoints(
-    session: AsyncSession, *, after: str | None, limit: int
+    session: AsyncSession, *, after: str | None, limit: int, project_id: str | None
 ) -> tuple[list[WebhookEndpoint], bool]:
-    """Newest first (ids are time-ordered)."""
+    """Newest first (ids are time-ordered); with `project_id`, only that project's."""
     query = select(WebhookEndpointRow).order_by(WebhookEndpointRow.id.desc()).limit(limit + 1)
     if after:
         query = query.where(WebhookEndpointRow.id < after)
+    if project_id is not None:
+        query = query.where(WebhookEndpointRow.project_id == project_id)
     rows = (await session.scalars(query)).all()
     return [to_wire(row) for row in rows[:limit]], len(rows) > limit
 
 
 async def update_endpoint(
-    session: AsyncSession, endpoint_id: str, *, body: WebhookEndpointUpdate
+    session: AsyncSession, endpoint_id: str, *, body: WebhookEndpointUpdate, project_id: str | None
 ) -> WebhookEndpoint:
     """Only what the body names changes; an empty body changes nothing (not `updated_at`).
     Pending deliveries read the endpoint's URL and secret when they are sent, so they go
     to a new URL from their next attempt; they were queued for the event types of their
     time and are sent whatever the new list."""
     await begin_write(session)
-    row = await get_endpoint(session, endpoint_id)
+    row = await get_endpoint(session, endpoint_id, project_id)
     changes = body.model_dump(exclude_none=True)
     if body.url is not None:
         row.url = str(body.url)
@@ -183,6 +196,7 @@ async def rotate_secret(
     endpoint_id: str,
     *,
     grace_seconds: float,
+    project_id: str | None,
     expected_version: int | None = None,
 ) -> WebhookEndpointCreated:
     """A new secret, returned this once with its `secret_version`; the current one
@@ -192,8 +206,10 @@ async def rotate_secret(
     One statement reads and writes the row (Postgres: under its row lock), so concurrent
     rotations are serialised: each gets its own version, the highest is current, and each
     one's previous secret is the one it replaced. With `expected_version` (If-Match) a
-    rotation of a secret that is no longer that version is a 409, changing nothing."""
+    rotation of a secret that is no longer that version is a 409, changing nothing. Another
+    project's endpoint (`project_id`) is a 404 before anything is written."""
     await begin_write(session)
+    await get_endpoint(session, endpoint_id, project_id)
     now = utcnow()
     keep = grace_seconds > 0
     table = WebhookEndpointRow.__table__
@@ -226,17 +242,19 @@ async def rotate_secret(
     return WebhookEndpointCreated(**to_wire(row).model_dump(), secret=secret)
 
 
-async def delete_endpoint(session: AsyncSession, endpoint_id: str) -> None:
+async def delete_endpoint(session: AsyncSession, endpoint_id: str, project_id: str | None) -> None:
     """With its subscriptions and deliveries (ON DELETE CASCADE)."""
     await begin_write(session)
-    await session.delete(await get_endpoint(session, endpoint_id))
+    await session.delete(await get_endpoint(session, endpoint_id, project_id))
     await session.flush()
 
 
-async def send_test(session: AsyncSession, endpoint_id: str) -> WebhookDelivery:
+async def send_test(
+    session: AsyncSession, endpoint_id: str, project_id: str | None
+) -> WebhookDelivery:
     """Queue a `webhook.test` message for the endpoint alone; a worker sends it."""
     await begin_write(session)
-    await get_endpoint(session, endpoint_id)
+    await get_endpoint(session, endpoint_id, project_id)
     now = utcnow()
     row = WebhookDeliveryRow(
         endpoint_id=endpoint_id,
@@ -253,10 +271,15 @@ async def send_test(session: AsyncSession, endpoint_id: str) -> WebhookDelivery:
 
 
 async def list_deliveries(
-    session: AsyncSession, endpoint_id: str, *, after: int | None, limit: int
+    session: AsyncSession,
+    endpoint_id: str,
+    *,
+    after: int | None,
+    limit: int,
+    project_id: str | None,
 ) -> tuple[list[WebhookDelivery], bool]:
     """The endpoint's deliveries, newest first, each with its attempts."""
-    await get_endpoint(session, endpoint_id)
+    await get_endpoint(session, endpoint_id, project_id)
     query = (
         select(WebhookDeliveryRow)
         .where(WebhookDeliveryRow.endpoint_id == endpoint_id)
