@@ -46,11 +46,12 @@ LISTED = "listed"  # a read of a collection: 200, and none of A's ids in it
 OTHERS = ("no key", "revoked", "expired", "a-read", "a-sample", "b-write", "b-sample")
 CALLERS = ("a-write", "admin", *OTHERS)
 
-# Operations only an admin may use: projects (but a project's own GET), keys, the audit
-# log, changes to workers.
+# Operations only an admin may use: projects (but a project's own GET), keys, quotas (a
+# project's own may read them), the audit log, changes to workers.
 ADMIN_ONLY = [
     re.compile(r"^(post|get) /v1/projects$"),
     re.compile(r"^\w+ /v1/projects/\{project_id\}/keys"),
+    re.compile(r"^put /v1/projects/\{project_id\}/quotas$"),
     re.compile(r"^\w+ /v1/audit-events"),
     re.compile(r"^(post|put|patch|delete) /v1/workers/"),
 ]
@@ -141,6 +142,7 @@ def _body(method: str, path: str, who: str, seed: Seed) -> dict[str, Any]:
         "patch /v1/webhooks/{endpoint_id}": {"json": {"enabled": True}},
         "post /v1/projects": {"json": {"name": f"made-by-{mark}"}},
         "post /v1/projects/{project_id}/keys": {"json": {"name": "k", "scopes": ["read"]}},
+        "put /v1/projects/{project_id}/quotas": {"json": {}},  # no limits: changes nothing
         "post /openai/v1/chat/completions": {"json": {"model": "a-roll", "messages": SAY}},
     }
     cell = f"{method} {path}"

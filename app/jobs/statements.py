@@ -267,7 +267,8 @@ def claim_query(
         capped = select(projects.c.id).where(limit.is_not(None))
         query = query.where(jobs.c.project_id.not_in(capped))
     else:
-        query = query.join(projects, projects.c.id == jobs.c.project_id)
+        # An outer join: a job whose project has no row (none is deleted) has no quota.
+        query = query.outerjoin(projects, projects.c.id == jobs.c.project_id)
         if quota is Quota.LOCKED:
             locked = jobs.c.project_id == any_(bindparam("w_locked", type_=ARRAY(String)))
             query = query.where(or_(limit.is_(None), and_(locked, limit > running)))
