@@ -197,12 +197,14 @@ async def test_a_future_not_ready_in_time_is_none_then_its_result() -> None:
     async def broken() -> Result:
         raise RuntimeError("the trainer fell over")
 
-    assert futures.submit("r1", work()) == "r1"
-    assert futures.submit("r1", work()) == "r1"  # the same request again: the first future
+    assert futures.submit("r1", work(), owner=None) == "r1"
+    assert (
+        futures.submit("r1", work(), owner=None) == "r1"
+    )  # the same request again: the first future
     assert await futures.wait("r1", seconds=0.01) is None
     gate.set()
     assert await futures.wait("r1", seconds=5) == Result(json={"metrics": {}})
-    futures.submit("r2", broken())
+    futures.submit("r2", broken(), owner=None)
     failed = await futures.wait("r2", seconds=5)
     assert failed == Result(error="RuntimeError: the trainer fell over", category="server")
     assert not futures.known("r3")
