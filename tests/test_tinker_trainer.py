@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import re
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -20,7 +19,7 @@ from tests.conftest import NEEDS_TORCH
 torch = pytest.importorskip("torch", reason=NEEDS_TORCH)
 
 from app.backends.tiny_model import make_tiny_model  # noqa: E402
-from app.tinker import spec, trainer  # noqa: E402
+from app.tinker import sampling, spec, trainer  # noqa: E402
 from app.tinker.futures import Futures, Result  # noqa: E402
 from app.tinker.service import DEFAULT_ADAM  # noqa: E402
 from app.tinker.wire import Datum, Tensor  # noqa: E402
@@ -161,11 +160,16 @@ def test_a_sampler_keeps_the_weights_it_was_saved_with(tiny: str, tmp_path: Path
     p = policy(tiny)
     saved = trainer.adapter_state(p)
 
+    asked = sampling.read(
+        {
+            "prompt": {"chunks": [{"tokens": [5, 6]}]},
+            "num_samples": 4,
+            "sampling_params": {"max_tokens": 3, "temperature": 1.0, "top_p": 1.0, "seed": 1},
+        }
+    )
+
     def draw() -> list[list[int]]:
-        samples = trainer.sample(
-            p, saved, [5, 6], n=4, max_tokens=3, temperature=1.0, top_p=1.0, stop_ids=set(), seed=1
-        )
-        return [s.token_ids for s in samples]
+        return [s.tokens for s in trainer.sample(p, saved, asked, set())]
 
     before = draw()
     d = datum([5, 6], [6, 7], weights=[1.0, 1.0])
@@ -178,12 +182,9 @@ def test_a_sampler_keeps_the_weights_it_was_saved_with(tiny: str, tmp_path: Path
     # The same weights read back from a checkpoint directory sample the same.
     p.save(tmp_path, 1)
     from_disk = trainer.read_adapter(tmp_path)
-    options: dict[str, Any] = {
-        "n": 4, "max_tokens": 3, "temperature": 1.0, "top_p": 1.0, "stop_ids": set(), "seed": 1
-    }  # fmt: skip
-    again = trainer.sample(p, from_disk, [5, 6], **options)
-    now = trainer.sample(p, trainer.adapter_state(p), [5, 6], **options)
-    assert [s.token_ids for s in again] == [s.token_ids for s in now]
+    again = trainer.sample(p, from_disk, asked, set())
+    now = trainer.sample(p, trainer.adapter_state(p), asked, set())
+    assert [s.tokens for s in again] == [s.tokens for s in now]
 
 
 async def test_a_future_not_ready_in_time_is_none_then_its_result() -> None:

@@ -41,7 +41,7 @@ from app.schemas.checkpoints import ALIAS_PATTERN, BUILTIN_ALIASES
 from app.schemas.models import ModelCreate
 from app.settings import Settings
 from app.tenants.keys import ADMIN, Principal
-from app.tinker import journal, listing, spec, wire
+from app.tinker import journal, listing, sampling, spec, wire
 from app.tinker.futures import LONG_POLL_SECONDS, Futures, Result
 
 log = logging.getLogger(__name__)
@@ -53,8 +53,7 @@ WEIGHTS_IN_MEMORY = 8
 SAMPLER = "sampler_weights"
 SESSION_BYTES = 6
 SESSION_PATTERN = rf"s[0-9a-f]{{{2 * SESSION_BYTES}}}"
-MAX_CONTEXT = 2048
-MAX_TOPK = 100  # `topk_prompt_logprobs`: k of the k likeliest tokens at each prompt position
+MAX_CONTEXT = sampling.MAX_TOKENS
 
 
 class TinkerError(Exception):
@@ -748,93 +747,26 @@ class TinkerService:
 
     async def asample(self, body: dict[str, Any], principal: Principal) -> dict[str, Any]:
         sampler = await self.sampler(str(body.get("sampling_session_id", "")), principal)
-        params = body.get("sampling_params") or {}
-        prompt = [
-            t
-            for chunk in (body.get("prompt") or {}).get("chunks", [])
-            for t in chunk.get("tokens", [])
-        ]
-        n = body.get("num_samples", 1)
-        if not isinstance(n, int) or not 1 <= n <= 128:
-            raise TinkerError(400, "num_samples: an integer from 1 to 128")
-        if not prompt:
-            raise TinkerError(400, "prompt.chunks: no tokens")
-        max_tokens = params.get("max_tokens") or 16
-        if not isinstance(max_tokens, int) or not 1 <= max_tokens <= MAX_CONTEXT:
-            raise TinkerError(
-                400, f"sampling_params.max_tokens: an integer from 1 to {MAX_CONTEXT}"
-            )
-        for key in ("temperature", "top_p"):
-            value = params.get(key, 1.0)
-            if not isinstance(value, int | float) or not 0 <= value <= (
-                1 if key == "top_p" else 100
-            ):
-                raise TinkerError(400, f"sampling_params.{key}: out of range")
-        top_k = params.get("top_k", -1)
-        top_k = -1 if top_k is None else top_k
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < -1:
-            raise TinkerError(400, "sampling_params.top_k: -1 (every token) or a count from 1")
-        for key in UNSUPPORTED_SAMPLE_OPTIONS:
-            if body.get(key):
-                raise TinkerError(400, f"{key}: not supported here yet")
-        with_prompt = bool(body.get("prompt_logprobs"))
-        topk_prompt = body.get("topk_prompt_logprobs") or 0
-        if isinstance(topk_prompt, bool) or not isinstance(topk_prompt, int):
-            topk_prompt = -1
-        if not 0 <= topk_prompt <= MAX_TOPK:
-            raise TinkerError(400, f"topk_prompt_logprobs: an integer from 0 to {MAX_TOPK}")
-        last_n = body.get("prompt_logprobs_last_n")
-        if last_n is not None and (
-            not with_prompt or not isinstance(last_n, int) or not 1 <= last_n < len(prompt)
-        ):
-            raise TinkerError(
-                400,
-                "prompt_logprobs_last_n: needs prompt_logprobs, from 1 to the prompt's length - 1",
-            )
-        stop = params.get("stop") or []
-        if isinstance(stop, str):
-            stop = [stop]
-        policy = sampler.policy or await self._base_policy(sampler.base_model)
-        stop_ids = self._stop_ids(policy, stop)
-        vocab = vocab_size(policy)
-        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise TinkerError(
-                400, f"prompt: token {bad[0]} is outside the vocabulary (0..{vocab - 1})"
-            )
+        try:  # before it is queued: the SDK raises a 400 as BadRequestError
+            asked = sampling.read(body)
+            policy = sampler.policy or await self._base_policy(sampler.base_model)
+            stop_ids = self._stop_ids(policy, asked.stop)
+            sampling.check_vocabulary(asked, vocab_size(policy))
+        except spec.UserError as exc:
+            raise TinkerError(400, str(exc)) from exc
         request_id = f"{sampler.sampler_id}:sample:{body.get('seq_id')}"
         lock = sampler.run.lock if sampler.run else asyncio.Lock()
 
         def work() -> Result:
-            scores, topk = None, None
             weights = sampler.weights
             if weights is None and sampler.directory is not None:
                 weights = _trainer().read_adapter(sampler.directory, policy.device)
             with policy.lock:
-                if with_prompt or topk_prompt:
-                    scores, topk = _trainer().prompt_logprobs(
-                        policy, weights, prompt, last_n, topk_prompt
-                    )
-                samples = _trainer().sample(
-                    policy,
-                    weights,
-                    prompt,
-                    n=n,
-                    max_tokens=int(max_tokens),
-                    temperature=float(params.get("temperature", 1.0)),
-                    top_p=float(params.get("top_p", 1.0)),
-                    stop_ids=stop_ids,
-                    seed=params.get("seed"),
-                    top_k=max(top_k, 0),
-                )
-            sequences = [
-                wire.Sequence(
-                    s.token_ids, s.logprobs, "stop" if s.finish_reason == "stop" else "length"
-                )
-                for s in samples
-            ]
-            shown = scores if with_prompt else None
-            return Result(proto=wire.write_sample_response(sequences, shown, topk))
+                answer = wire.SampleAnswer([])
+                if asked.scores_prompt:
+                    answer = _trainer().score_prompt(policy, weights, asked)
+                answer.sequences = _trainer().sample(policy, weights, asked, stop_ids)
+            return Result(proto=wire.write_sample_response(answer))
 
         async def go() -> Result:
             async with lock:
@@ -843,7 +775,7 @@ class TinkerService:
         self.futures.submit(request_id, go(), owner=sampler.project_id)
         return {
             "request_id": request_id,
-            "sample_sequence_ids": [f"{request_id}:{i}" for i in range(n)],
+            "sample_sequence_ids": [f"{request_id}:{i}" for i in range(asked.num_samples)],
         }
 
     @staticmethod
@@ -853,10 +785,12 @@ class TinkerService:
             if isinstance(item, int):
                 ids.add(item)
                 continue
+            if not isinstance(item, str):
+                raise spec.UserError(f"sampling_params.stop: {item!r} is no string or token id")
             encoded = policy.tokenizer(item, add_special_tokens=False)["input_ids"]
             if len(encoded) != 1:
-                raise TinkerError(
-                    400, f"sampling_params.stop: {item!r} is not one token here; give token ids"
+                raise spec.UserError(
+                    f"sampling_params.stop: {item!r} is not one token here; give token ids"
                 )
             ids.add(encoded[0])
         return ids
@@ -886,13 +820,6 @@ def lora_of(row: ModelRow) -> spec.Lora:
 def vocab_size(policy: Any) -> int:
     return int(policy.model.get_input_embeddings().weight.shape[0])
 
-
-# Sampling options the SDK has that are refused here (400) rather than ignored.
-UNSUPPORTED_SAMPLE_OPTIONS = (
-    "topk_sample_logprobs",
-    "target_prompt_logprobs",
-    "prompt_alt_tokens_k",
-)
 
 DEFAULT_ADAM = {
     "learning_rate": 1e-4,
