@@ -57,6 +57,12 @@ def test_a_request_of_every_option_reads_whole() -> None:
     assert dense is not None and dense.rows.tolist() == [0, 0, 1, 1, 2, 2]
     plain = sampling.read(body())
     assert not plain.scores_prompt and plain.targets is None and plain.top_k == 0
+    # `stop`: absent, end-of-sequence stops; [] (the SDK's "no stop tokens"), nothing does.
+    assert (plain.stop, plain.stop_at_eos) == ([], True)
+    nothing = sampling.read(body(sampling_params={"stop": []}))
+    assert (nothing.stop, nothing.stop_at_eos) == ([], False)
+    one = sampling.read(body(sampling_params={"stop": "\n"}))
+    assert (one.stop, one.stop_at_eos) == (["\n"], True)
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -210,3 +211,21 @@ async def test_a_future_not_ready_in_time_is_none_then_its_result() -> None:
     assert failed == Result(error="RuntimeError: the trainer fell over", category="server")
     assert not futures.known("r3")
     await futures.close()
+
+
+def test_stop_given_as_an_empty_list_does_not_stop_at_the_end_token(tiny: str) -> None:
+    """The SDK's `stop=[]`: no stop token at all, not even end-of-sequence (without `stop`,
+    end-of-sequence stops a sequence)."""
+    p = policy(tiny)
+
+    def greedy(**params: Any) -> Any:
+        params = {"max_tokens": 4, "temperature": 0.0, **params}
+        body = {"prompt": {"chunks": [{"tokens": [5, 6]}]}, "sampling_params": params}
+        return trainer.sample(p, None, sampling.read(body), set())[0]
+
+    first = greedy().tokens[0]
+    p.eos_id = first  # the greedy first token now ends a sequence ...
+    stopped = greedy()
+    assert (stopped.tokens, stopped.stop_reason) == ([first], "stop")
+    free = greedy(stop=[])  # ... unless nothing stops it
+    assert (free.tokens[0], len(free.tokens), free.stop_reason) == (first, 4, "length")

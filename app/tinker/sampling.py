@@ -58,6 +58,7 @@ class Asked:
     top_k: int  # 0: every token
     seed: int | None
     stop: list[Any]
+    stop_at_eos: bool  # False: `stop` given as [] (the SDK's "no stop tokens, not even EOS")
     prompt_logprobs: bool
     last_n: int | None
     topk_prompt: int
@@ -134,8 +135,8 @@ def read(body: dict[str, Any]) -> Asked:
         raise UserError(
             "prompt_logprobs_last_n: needs prompt_logprobs, from 1 to the prompt's length - 1"
         )
-    stop = params.get("stop") or []
-    if not isinstance(stop, str | list):
+    stop = params.get("stop")
+    if stop is not None and not isinstance(stop, str | list):
         raise UserError("sampling_params.stop: a string, or a list of strings or token ids")
     return Asked(
         prompt=prompt,
@@ -145,7 +146,8 @@ def read(body: dict[str, Any]) -> Asked:
         top_p=_number(params, "top_p", 1),
         top_k=max(top_k, 0),
         seed=seed,
-        stop=[stop] if isinstance(stop, str) else list(stop),
+        stop=[stop] if isinstance(stop, str) else list(stop or []),
+        stop_at_eos=stop != [],
         prompt_logprobs=with_prompt,
         last_n=last_n,
         topk_prompt=_count(body.get("topk_prompt_logprobs"), "topk_prompt_logprobs", 0, MAX_TOPK),

@@ -176,6 +176,7 @@ def sample(
             stop_ids=stop_ids,
             seed=asked.seed,
             top_k=asked.top_k,
+            stop_at_eos=asked.stop_at_eos,
         )
     return [
         Sampled(
