@@ -70,9 +70,14 @@ async def test_projects_keys_and_what_is_stored_of_a_secret(serve, database_url:
         secret = made["secret"]
         assert re.fullmatch(r"ty_[A-Za-z0-9_-]{43}", secret)
         assert made["prefix"] == secret[:10] and made["scopes"] == ["write"]
+        # The form the Tinker SDK takes (it refuses keys without `tml-`) is the same key.
+        assert made["tinker_api_key"] == f"tml-{secret}"
+        as_tinker = await c.get("/v1/models", headers=bearer(made["tinker_api_key"]))
+        assert as_tinker.status_code == 200, as_tinker.text
+        assert (await c.get("/v1/models", headers=bearer(f"tml-{secret}x"))).status_code == 401
         keys = (await c.get(f"/v1/projects/{first}/keys", headers=ROOT)).json()["data"]
         assert [k["id"] for k in keys] == [made["id"]]
-        assert "secret" not in keys[0]
+        assert "secret" not in keys[0] and "tinker_api_key" not in keys[0]
         # The key works, reads its own project, and not another's nor the list.
         assert (await c.get("/v1/models", headers=bearer(secret))).status_code == 200
         own = await c.get(f"/v1/projects/{first}", headers=bearer(secret))

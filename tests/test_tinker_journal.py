@@ -17,6 +17,7 @@ import pytest
 from sqlalchemy import func, select
 
 from app.models import TinkerOperationRow
+from app.tenants.keys import ADMIN
 from app.tinker import journal, wire
 from app.tinker.futures import Result
 from app.tinker.service import TinkerService
@@ -59,22 +60,23 @@ async def live(serve: Callable[..., LiveServer], tiny_model: Path) -> Any:
 
 
 async def start_run(service: TinkerService, base: Path) -> str:
-    session = service.create_session()
+    session = service.create_session(ADMIN)
     lora = {"rank": 4, "seed": 5}
     body = {"session_id": session, "model_seq_id": 0, "base_model": str(base), "lora_config": lora}
-    return await service.create_model(body)
+    _, model_id = await service.create_model(body, ADMIN)
+    return model_id
 
 
 async def accept_step(service: TinkerService, model_id: str) -> tuple[str, str]:
     """`forward_backward` then `optim_step`, accepted: their request ids."""
     raw = sdk(ENCODE, model_id, "1")
-    backward = await service.forward_backward(wire.read_forward_backward(raw), raw)
-    step = await service.optim_step({"model_id": model_id, "seq_id": 2, "adam_params": ADAM})
+    backward = await service.forward_backward(wire.read_forward_backward(raw), raw, ADMIN)
+    step = await service.optim_step({"model_id": model_id, "seq_id": 2, "adam_params": ADAM}, ADMIN)
     return backward, step
 
 
 async def answer(service: TinkerService, request_id: str) -> Result:
-    result = await service.retrieve(request_id)
+    result = await service.retrieve(request_id, ADMIN)
     assert result is not None and result.error is None, result
     return result
 
@@ -124,7 +126,7 @@ async def test_operations_accepted_before_a_crash_are_done_after_it(
     assert model_id not in again.runs
 
     # The SDK sends a request again (a reply it lost): the same id, done once.
-    assert await after.optim_step({"model_id": model_id, "seq_id": 2}) == step
+    assert await after.optim_step({"model_id": model_id, "seq_id": 2}, ADMIN) == step
     async with state.sessions() as session:
         rows = await session.scalar(
             select(func.count()).where(TinkerOperationRow.model_id == model_id)
@@ -136,7 +138,7 @@ async def test_a_retrieve_of_an_unknown_request_is_a_key_error(live: LiveServer)
     state = live.app.state
     service = TinkerService(state.settings, state.sessions, state.backends)
     with pytest.raises(KeyError):
-        await service.retrieve("s000000000000:train:0:optim_step:9")
+        await service.retrieve("s000000000000:train:0:optim_step:9", ADMIN)
 
 
 async def test_the_runs_steps_are_paged_from_its_journal_with_their_losses(
@@ -156,7 +158,7 @@ async def test_the_runs_steps_are_paged_from_its_journal_with_their_losses(
         nonlocal seq
         seq += 1
         raw = sdk(ENCODE, model_id, str(seq))
-        request_id = await service.forward_backward(wire.read_forward_backward(raw), raw)
+        request_id = await service.forward_backward(wire.read_forward_backward(raw), raw, ADMIN)
         proto = (await answer(service, request_id)).proto
         assert proto is not None
         return wire.read_output_metrics(proto)["loss:sum"]
@@ -165,7 +167,7 @@ async def test_the_runs_steps_are_paged_from_its_journal_with_their_losses(
         nonlocal seq
         seq += 1
         body = {"model_id": model_id, "seq_id": seq, "adam_params": {"learning_rate": rate}}
-        await answer(service, await service.optim_step(body))
+        await answer(service, await service.optim_step(body, ADMIN))
 
     for calls, rate in ((1, 0.02), (2, 0.01), (1, 0.005)):
         losses.append(sum([await backward() for _ in range(calls)]))

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 
 from tests.test_readme import README, Server, fenced_blocks
@@ -250,6 +251,96 @@ def test_top_k_prompt_logprobs_are_the_models_likeliest_tokens(server: Server) -
     assert (
         got["refused"].startswith("BadRequestError") and "topk_prompt_logprobs" in got["refused"]
     ), got["refused"]
+
+
+def test_the_sampling_options_beyond_the_samples_are_the_models_own(server: Server) -> None:
+    """Through the SDK, from the base model, each compared with torch's numbers for the
+    model's own directory: `topk_sample_logprobs` (the k likeliest tokens at each sampled
+    position, the sampled token's logprob among them), `target_prompt_logprobs` (dense and
+    CSR, in the request's layout; 0.0 for a -1 cell) and `prompt_alt_tokens_k` (greedy at
+    temperature 0; seeded draws whose logprobs are the model's); then what is refused."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    k = 4
+    ran = run_sdk(server, (DATA / "sample_options.py").read_text(), str(k))
+    assert ran.returncode == 0, ran.stdout + ran.stderr + server.tail()
+    assert_nothing_deprecated(ran)
+    got = json.loads(ran.stdout.strip().splitlines()[-1])
+    tokens = got["tokens"]
+    rows = len(tokens) - 1
+    model = AutoModelForCausalLM.from_pretrained(got["directory"], torch_dtype=torch.float32)
+
+    def table(ids: list[int]) -> torch.Tensor:
+        """Row i: the logprobs of the token after `ids[: i + 1]`."""
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+        return torch.log_softmax(logits, dim=-1)
+
+    # topk_sample_logprobs: at each sampled position, the k likeliest given what came before;
+    # a greedy sequence's tokens are its likeliest.
+    greedy_tokens, greedy_topk = got["greedy"]
+    assert [row[0][0] for row in greedy_topk] == greedy_tokens
+    for sampled, logprobs, topk in [*got["free"], (greedy_tokens, None, greedy_topk)]:
+        scores = table(tokens + sampled)[len(tokens) - 1 : -1]
+        best = torch.topk(scores, k, dim=-1)
+        assert len(topk) == len(sampled)
+        for position, row in enumerate(topk):
+            assert [t for t, _ in row] == best.indices[position].tolist(), position
+            assert [lp for _, lp in row] == pytest.approx(best.values[position].tolist(), abs=1e-4)
+            if logprobs is not None and sampled[position] in [t for t, _ in row]:
+                mine = dict(row)[sampled[position]]
+                assert mine == pytest.approx(logprobs[position], abs=1e-5)
+    prompt_table = table(tokens)[:-1]  # row i: prompt position i + 1
+    # target_prompt_logprobs, dense: the request's shape; a -1 cell 0.0; a cell of the
+    # prompt's own token is its prompt logprob.
+    dense, ids = got["dense"], got["dense_ids"]
+    assert dense["shape"] == [rows, 2] and dense["crow"] is None
+    values = np.array(dense["data"], dtype=np.float32).reshape(rows, 2)
+    for row in range(rows):
+        for column, token in enumerate(ids[row]):
+            want = 0.0 if token < 0 else float(prompt_table[row, token])
+            assert values[row, column] == pytest.approx(want, abs=1e-4), (row, column)
+    for row in range(1, rows):
+        assert values[row, 0] == pytest.approx(got["prompt_logprobs"][row + 1], abs=1e-5)
+    # CSR in, CSR out: the same cells, their logprobs.
+    csr = got["csr"]
+    assert csr["shape"] == [rows, 3]
+    assert csr["crow"] == [0, 0] + [2] * (rows - 2) + [3] and csr["cols"] == [2, 0, 0]
+    want = [prompt_table[1, 5], prompt_table[1, 7], prompt_table[rows - 1, 9]]
+    assert csr["data"] == pytest.approx([float(v) for v in want], abs=1e-4)
+    assert got["csr_prompt_logprobs"] is None  # not asked
+    # prompt_alt_tokens_k: at temperature 0 each draw is the likeliest token.
+    alt_tokens, alt_logprobs = got["alt_greedy"]
+    assert alt_tokens["shape"] == [rows, 3]
+    likeliest = prompt_table.max(dim=-1)
+    assert alt_tokens["data"] == np.repeat(likeliest.indices.numpy(), 3).tolist()
+    assert alt_logprobs["data"] == pytest.approx(
+        np.repeat(likeliest.values.numpy(), 3).tolist(), abs=1e-4
+    )
+    # At temperature 1, seeded: the draws' logprobs are the model's; the same seed draws the
+    # same tokens, another seed others.
+    draws = []
+    for drawn_tokens, drawn_logprobs in got["drawn"]:
+        assert drawn_tokens["shape"] == drawn_logprobs["shape"] == [rows, k]
+        drawn = np.array(drawn_tokens["data"]).reshape(rows, k)
+        want = prompt_table.gather(-1, torch.from_numpy(drawn)).reshape(-1)
+        assert drawn_logprobs["data"] == pytest.approx(want.tolist(), abs=1e-4)
+        draws.append(drawn_tokens["data"])
+    assert draws[0] == draws[1] and draws[0] != draws[2]
+    refused = got["refused"]
+    for name, field in {
+        "topk_sample_logprobs": "topk_sample_logprobs: an integer from 0 to 100",
+        "prompt_alt_tokens_k": "prompt_alt_tokens_k: an integer from 0 to 100",
+        "target shape": "target_prompt_logprobs.shape: must be [len(prompt) - 1, K]",
+        "target vocabulary": "target_prompt_logprobs.data: token 1000000 is outside the vocab",
+        "target nothing": "target_prompt_logprobs.data: no token id",
+        "record_stability_info": "record_stability_info: not supported here",
+    }.items():
+        assert refused[name].startswith("BadRequestError") and field in refused[name], (
+            name,
+            refused[name],
+        )
 
 
 def test_custom_losses_take_the_step_the_builtin_loss_takes(server: Server) -> None:

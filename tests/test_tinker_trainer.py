@@ -20,7 +20,7 @@ from tests.conftest import NEEDS_TORCH
 torch = pytest.importorskip("torch", reason=NEEDS_TORCH)
 
 from app.backends.tiny_model import make_tiny_model  # noqa: E402
-from app.tinker import spec, trainer  # noqa: E402
+from app.tinker import sampling, spec, trainer  # noqa: E402
 from app.tinker.futures import Futures, Result  # noqa: E402
 from app.tinker.service import DEFAULT_ADAM  # noqa: E402
 from app.tinker.wire import Datum, Tensor  # noqa: E402
@@ -161,11 +161,16 @@ def test_a_sampler_keeps_the_weights_it_was_saved_with(tiny: str, tmp_path: Path
     p = policy(tiny)
     saved = trainer.adapter_state(p)
 
+    asked = sampling.read(
+        {
+            "prompt": {"chunks": [{"tokens": [5, 6]}]},
+            "num_samples": 4,
+            "sampling_params": {"max_tokens": 3, "temperature": 1.0, "top_p": 1.0, "seed": 1},
+        }
+    )
+
     def draw() -> list[list[int]]:
-        samples = trainer.sample(
-            p, saved, [5, 6], n=4, max_tokens=3, temperature=1.0, top_p=1.0, stop_ids=set(), seed=1
-        )
-        return [s.token_ids for s in samples]
+        return [s.tokens for s in trainer.sample(p, saved, asked, set())]
 
     before = draw()
     d = datum([5, 6], [6, 7], weights=[1.0, 1.0])
@@ -178,12 +183,9 @@ def test_a_sampler_keeps_the_weights_it_was_saved_with(tiny: str, tmp_path: Path
     # The same weights read back from a checkpoint directory sample the same.
     p.save(tmp_path, 1)
     from_disk = trainer.read_adapter(tmp_path)
-    options: dict[str, Any] = {
-        "n": 4, "max_tokens": 3, "temperature": 1.0, "top_p": 1.0, "stop_ids": set(), "seed": 1
-    }  # fmt: skip
-    again = trainer.sample(p, from_disk, [5, 6], **options)
-    now = trainer.sample(p, trainer.adapter_state(p), [5, 6], **options)
-    assert [s.token_ids for s in again] == [s.token_ids for s in now]
+    again = trainer.sample(p, from_disk, asked, set())
+    now = trainer.sample(p, trainer.adapter_state(p), asked, set())
+    assert [s.tokens for s in again] == [s.tokens for s in now]
 
 
 async def test_a_future_not_ready_in_time_is_none_then_its_result() -> None:
@@ -197,13 +199,33 @@ async def test_a_future_not_ready_in_time_is_none_then_its_result() -> None:
     async def broken() -> Result:
         raise RuntimeError("the trainer fell over")
 
-    assert futures.submit("r1", work()) == "r1"
-    assert futures.submit("r1", work()) == "r1"  # the same request again: the first future
+    assert futures.submit("r1", work(), owner=None) == "r1"
+    assert (
+        futures.submit("r1", work(), owner=None) == "r1"
+    )  # the same request again: the first future
     assert await futures.wait("r1", seconds=0.01) is None
     gate.set()
     assert await futures.wait("r1", seconds=5) == Result(json={"metrics": {}})
-    futures.submit("r2", broken())
+    futures.submit("r2", broken(), owner=None)
     failed = await futures.wait("r2", seconds=5)
     assert failed == Result(error="RuntimeError: the trainer fell over", category="server")
     assert not futures.known("r3")
     await futures.close()
+
+
+def test_stop_given_as_an_empty_list_does_not_stop_at_the_end_token(tiny: str) -> None:
+    """The SDK's `stop=[]`: no stop token at all, not even end-of-sequence (without `stop`,
+    end-of-sequence stops a sequence)."""
+    p = policy(tiny)
+
+    def greedy(**params: Any) -> Any:
+        params = {"max_tokens": 4, "temperature": 0.0, **params}
+        body = {"prompt": {"chunks": [{"tokens": [5, 6]}]}, "sampling_params": params}
+        return trainer.sample(p, None, sampling.read(body), set())[0]
+
+    first = greedy().tokens[0]
+    p.eos_id = first  # the greedy first token now ends a sequence ...
+    stopped = greedy()
+    assert (stopped.tokens, stopped.stop_reason) == ([first], "stop")
+    free = greedy(stop=[])  # ... unless nothing stops it
+    assert (free.tokens[0], len(free.tokens), free.stop_reason) == (first, 4, "length")

@@ -51,6 +51,7 @@ sys.stdout.buffer.write(message.SerializeToString())
 
 DECODE = """
 import json, sys
+import numpy as np
 from tinker.proto import response_conv
 fb = response_conv.deserialize_forward_backward_output(open(sys.argv[1], "rb").read())
 sample = response_conv.deserialize_sample_response(open(sys.argv[2], "rb").read())
@@ -59,7 +60,21 @@ print(json.dumps({
     "outputs": [{k: [v.dtype, v.shape, v.tolist()] for k, v in o.items()}
                 for o in fb.loss_fn_outputs],
     "sequences": [[s.stop_reason, s.tokens, s.logprobs] for s in sample.sequences],
+    "topk": [s.topk_logprobs for s in sample.sequences],
 }))
+if len(sys.argv) > 3:  # a sample answer with each of the prompt's fields
+    full = response_conv.deserialize_sample_response(open(sys.argv[3], "rb").read())
+    target, alt = full.target_prompt_logprobs, full.prompt_alt_tokens
+
+    def tensor(t):
+        data = np.asarray(t.data).tolist()
+        return [t.dtype, t.shape, data, t.sparse_crow_indices, t.sparse_col_indices]
+
+    print(json.dumps({
+        "target": tensor(target),
+        "alt": [tensor(alt.tokens), tensor(alt.logprobs)],
+        "topk": full.sequences[0].topk_logprobs,
+    }))
 """
 
 
@@ -108,7 +123,7 @@ def test_what_trainyard_writes_the_sdk_decodes(tmp_path: Path) -> None:
         wire.Sequence([4, 5, 6], [-0.5, -1.0, -1.5], "length"),
         wire.Sequence([7], [-2.0], "stop"),
     ]
-    sample.write_bytes(wire.write_sample_response(sequences))
+    sample.write_bytes(wire.write_sample_response(wire.SampleAnswer(sequences)))
     decoded = json.loads(sdk(DECODE, str(fb), str(sample)))
     assert decoded["type"] == "ArrayRecord" and decoded["metrics"] == {"loss:sum": 3.75}
     # What the journal reads back of it (the dashboard's loss): the metrics alone.
@@ -120,6 +135,42 @@ def test_what_trainyard_writes_the_sdk_decodes(tmp_path: Path) -> None:
     assert decoded["sequences"] == [
         ["length", [4, 5, 6], [-0.5, -1.0, -1.5]],
         ["stop", [7], [-2.0]],
+    ]
+    assert decoded["topk"] == [None, None]  # not asked
+
+
+def test_the_sample_answers_extra_fields_decode_in_the_sdk(tmp_path: Path) -> None:
+    """`topk_sample_logprobs` on a sequence, `target_prompt_logprobs` in a CSR layout (the
+    request's) and `prompt_alt_tokens`, as the SDK's own decoder reads them."""
+    topk = wire.TopK(
+        np.array([[4, 9], [5, 0]], np.int32),
+        np.array([[-0.5, -2.0], [-0.25, wire.MASK_LOGPROB]], np.float32),
+    )
+    target = wire.OutTensor(
+        np.array([-1.5, 0.0, -3.0], np.float32),
+        [3, 4],
+        crow=np.array([0, 2, 2, 3]),
+        cols=np.array([0, 3, 1]),
+    )
+    alt = (
+        wire.OutTensor(np.array([1, 2, 3, 4], np.int64), [2, 2]),
+        wire.OutTensor(np.array([-1.0, -2.0, -3.0, -4.0], np.float32), [2, 2]),
+    )
+    answer = wire.SampleAnswer(
+        [wire.Sequence([4, 5], [-0.5, -0.25], "length", topk)],
+        target_prompt_logprobs=target,
+        prompt_alt_tokens=alt,
+    )
+    paths = [tmp_path / name for name in ("fb.bin", "plain.bin", "full.bin")]
+    paths[0].write_bytes(wire.write_forward_backward_output([], {}))
+    paths[1].write_bytes(wire.write_sample_response(wire.SampleAnswer([])))
+    paths[2].write_bytes(wire.write_sample_response(answer))
+    decoded = json.loads(sdk(DECODE, *map(str, paths)).splitlines()[-1])
+    assert decoded["topk"] == [[[4, -0.5], [9, -2.0]], [[5, -0.25]]]
+    assert decoded["target"] == ["float32", [3, 4], [-1.5, 0.0, -3.0], [0, 2, 2, 3], [0, 3, 1]]
+    assert decoded["alt"] == [
+        ["int64", [2, 2], [1, 2, 3, 4], None, None],
+        ["float32", [2, 2], [-1.0, -2.0, -3.0, -4.0], None, None],
     ]
 
 

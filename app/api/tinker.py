@@ -18,7 +18,8 @@ from fastapi.responses import JSONResponse, Response
 
 from app.api.body import parse_json
 from app.errors import problem_response
-from app.ingest.edge import body_of
+from app.ingest.edge import body_of, principal_of
+from app.tenants.keys import Principal
 from app.tinker import wire
 from app.tinker.service import SAMPLER, TinkerError, TinkerService
 
@@ -46,6 +47,11 @@ async def json_body(request: Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise TinkerError(400, "body: must be a JSON object")
     return body
+
+
+def who(request: Request) -> Principal:
+    """The request's key: what it reaches is its project's (every project's for an admin)."""
+    return principal_of(request.scope)
 
 
 def refused(request: Request, exc: TinkerError) -> JSONResponse:
@@ -76,13 +82,15 @@ async def healthz() -> dict[str, str]:
 @router.post("/create_session")
 async def create_session(request: Request) -> dict[str, Any]:
     await json_body(request)
-    return {"type": "create_session", "session_id": service(request).create_session()}
+    session_id = service(request).create_session(who(request))
+    return {"type": "create_session", "session_id": session_id}
 
 
 @router.post("/session_heartbeat", response_model=None)
 async def session_heartbeat(request: Request) -> dict[str, Any] | JSONResponse:
     try:
-        service(request).heartbeat(str((await json_body(request)).get("session_id", "")))
+        session_id = str((await json_body(request)).get("session_id", ""))
+        service(request).heartbeat(session_id, who(request))
     except TinkerError as exc:
         return refused(request, exc)
     return {"type": "session_heartbeat"}
@@ -90,29 +98,24 @@ async def session_heartbeat(request: Request) -> dict[str, Any] | JSONResponse:
 
 @router.get("/get_server_capabilities")
 async def get_server_capabilities(request: Request) -> dict[str, Any]:
-    return {"supported_models": await service(request).capabilities()}
+    return {"supported_models": await service(request).capabilities(who(request))}
 
 
 @router.post("/create_model", response_model=None)
 async def create_model(request: Request) -> dict[str, Any] | JSONResponse:
-    tinker = service(request)
     try:
         body = await json_body(request)
-        model_id = await tinker.create_model(body)
+        request_id, model_id = await service(request).create_model(body, who(request))
     except TinkerError as exc:
         return refused(request, exc)
-    from app.tinker.futures import Result
-
-    async def done() -> Result:
-        return Result(json={"type": "create_model", "model_id": model_id})
-
-    return future(tinker.futures.submit(f"{model_id}:create", done()), model_id)
+    return future(request_id, model_id)
 
 
 @router.post("/get_info", response_model=None)
 async def get_info(request: Request) -> dict[str, Any] | JSONResponse:
     try:
-        return await service(request).info(str((await json_body(request)).get("model_id", "")))
+        model_id = str((await json_body(request)).get("model_id", ""))
+        return await service(request).info(model_id, who(request))
     except TinkerError as exc:
         return refused(request, exc)
 
@@ -127,7 +130,8 @@ async def forward_backward(request: Request) -> dict[str, Any] | JSONResponse:
             body = wire.read_forward_backward(raw)
         except (wire.WireError, UnicodeDecodeError) as exc:
             raise TinkerError(400, f"body: not a ForwardBackwardRequest ({exc})") from exc
-        return future(await service(request).forward_backward(body, raw), body.model_id)
+        request_id = await service(request).forward_backward(body, raw, who(request))
+        return future(request_id, body.model_id)
     except TinkerError as exc:
         return refused(request, exc)
 
@@ -136,7 +140,7 @@ async def forward_backward(request: Request) -> dict[str, Any] | JSONResponse:
 async def optim_step(request: Request) -> dict[str, Any] | JSONResponse:
     try:
         body = await json_body(request)
-        return future(await service(request).optim_step(body), body.get("model_id"))
+        return future(await service(request).optim_step(body, who(request)), body.get("model_id"))
     except TinkerError as exc:
         return refused(request, exc)
 
@@ -145,7 +149,8 @@ async def optim_step(request: Request) -> dict[str, Any] | JSONResponse:
 async def save_weights_for_sampler(request: Request) -> dict[str, Any] | JSONResponse:
     try:
         body = await json_body(request)
-        return future(await service(request).save(body, SAMPLER), body.get("model_id"))
+        request_id = await service(request).save(body, SAMPLER, who(request))
+        return future(request_id, body.get("model_id"))
     except TinkerError as exc:
         return refused(request, exc)
 
@@ -155,7 +160,8 @@ async def save_weights(request: Request) -> dict[str, Any] | JSONResponse:
     """The SDK's `save_state`."""
     try:
         body = await json_body(request)
-        return future(await service(request).save(body, "weights"), body.get("model_id"))
+        request_id = await service(request).save(body, "weights", who(request))
+        return future(request_id, body.get("model_id"))
     except TinkerError as exc:
         return refused(request, exc)
 
@@ -164,7 +170,7 @@ async def save_weights(request: Request) -> dict[str, Any] | JSONResponse:
 async def load_weights(request: Request) -> dict[str, Any] | JSONResponse:
     """The SDK's `load_state` and `create_training_client_from_state`."""
     try:
-        request_id, model_id = await service(request).load(await json_body(request))
+        request_id, model_id = await service(request).load(await json_body(request), who(request))
     except TinkerError as exc:
         return refused(request, exc)
     return future(request_id, model_id)
@@ -173,7 +179,8 @@ async def load_weights(request: Request) -> dict[str, Any] | JSONResponse:
 @router.post("/create_sampling_session", response_model=None)
 async def create_sampling_session(request: Request) -> dict[str, Any] | JSONResponse:
     try:
-        sampler_id = await service(request).create_sampling_session(await json_body(request))
+        body = await json_body(request)
+        sampler_id = await service(request).create_sampling_session(body, who(request))
     except TinkerError as exc:
         return refused(request, exc)
     return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
@@ -182,7 +189,7 @@ async def create_sampling_session(request: Request) -> dict[str, Any] | JSONResp
 @router.get("/samplers/{sampler_id}", response_model=None)
 async def get_sampler(request: Request, sampler_id: str) -> dict[str, Any] | JSONResponse:
     try:
-        sampler = await service(request).sampler(sampler_id)
+        sampler = await service(request).sampler(sampler_id, who(request))
     except TinkerError as exc:
         return refused(request, exc)
     return {
@@ -195,7 +202,7 @@ async def get_sampler(request: Request, sampler_id: str) -> dict[str, Any] | JSO
 @router.post("/asample", response_model=None)
 async def asample(request: Request) -> dict[str, Any] | JSONResponse:
     try:
-        return await service(request).asample(await json_body(request))
+        return await service(request).asample(await json_body(request), who(request))
     except TinkerError as exc:
         return refused(request, exc)
 
@@ -208,7 +215,7 @@ async def retrieve_future(request: Request) -> Response:
     except TinkerError as exc:
         return refused(request, exc)
     try:
-        result = await tinker.retrieve(request_id)
+        result = await tinker.retrieve(request_id, who(request))
     except KeyError:
         # 410: the SDK's "promise expired" (neither this process nor the journal knows it).
         return problem_response(
@@ -231,7 +238,7 @@ async def list_training_runs(
     request: Request, limit: int = 20, offset: int = 0
 ) -> dict[str, Any] | JSONResponse:
     try:
-        return await service(request).training_runs(limit, offset)
+        return await service(request).training_runs(limit, offset, who(request))
     except TinkerError as exc:
         return refused(request, exc)
 
@@ -239,7 +246,7 @@ async def list_training_runs(
 @router.get("/training_runs/{training_run_id}", response_model=None)
 async def get_training_run(request: Request, training_run_id: str) -> Any:
     try:
-        return await service(request).training_run(training_run_id)
+        return await service(request).training_run(training_run_id, who(request))
     except TinkerError as exc:
         return refused(request, exc)
 
@@ -247,7 +254,7 @@ async def get_training_run(request: Request, training_run_id: str) -> Any:
 @router.get("/training_runs/{training_run_id}/checkpoints", response_model=None)
 async def list_checkpoints(request: Request, training_run_id: str) -> Any:
     try:
-        return await service(request).training_run(training_run_id, checkpoints=True)
+        return await service(request).training_run(training_run_id, who(request), checkpoints=True)
     except TinkerError as exc:
         return refused(request, exc)
 

@@ -174,9 +174,11 @@ class Policy:
         seed: int | None,
         abandoned: Callable[[], bool] = lambda: False,
         top_k: int = 0,
+        stop_at_eos: bool = True,
     ) -> list[Sample]:
         """Sample `n` completions; logprobs are the model's own (before temperature), as
         vLLM reports them by default. `top_k` > 0 samples among the k likeliest tokens.
+        `stop_at_eos` False: the end-of-sequence token stops nothing (Tinker's `stop=[]`).
         `abandoned` is asked before every token: once it says yes, sampling stops and raises
         `Abandoned` (its caller went away)."""
         generator = (
@@ -209,7 +211,7 @@ class Policy:
                     )
                 else:
                     sample.top_logprobs.append([])
-                if token == self.eos_id or token in stop_ids:
+                if (stop_at_eos and token == self.eos_id) or token in stop_ids:
                     sample.finish_reason = "stop"
                     active.remove(row)
             if not active:

@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from app.errors import problem_response
 from app.ingest.freeing import AFTER_RESPONSE, dispose
 from app.tenants import Tenants
-from app.tenants.keys import ADMIN, SECRET_PREFIX, Principal
+from app.tenants.keys import ADMIN, SECRET_PREFIX, TINKER_KEY_PREFIX, Principal
 
 log = logging.getLogger(__name__)
 UNAUTHORIZED_DETAIL = "Missing or invalid API key: send `Authorization: Bearer <key>`"
@@ -32,8 +32,30 @@ BODY = "trainyard.body"
 """The scope key under which `RequestBody` leaves the body it read (see `body_of`)."""
 JOIN_IN_THREAD = 1 << 20
 TINKER_PATHS = "/tinker/"
-"""Paths of the Tinker surface, whose SDK sends its key as `X-API-Key` (a `tml-` key from
-TRAINYARD_API_KEYS: the SDK refuses keys without that prefix)."""
+"""Paths of the Tinker surface, whose SDK sends its key as `X-API-Key`."""
+TINKER_API = "/tinker/api/v1/"
+# What a Tinker request needs of a key that is not admin, by its route's first segment:
+# training `write`; sampling `sample` (or `write`: a key that trains samples its runs); a
+# run's info and the RestClient's views `read` (or `write`). The handshake, sessions,
+# capabilities, futures and telemetry: any key (what they reach is the key's project's).
+TINKER_SCOPES: dict[str, tuple[str, frozenset[str]]] = {
+    **dict.fromkeys(
+        (
+            "create_model",
+            "forward_backward",
+            "optim_step",
+            "save_weights",
+            "save_weights_for_sampler",
+            "load_weights",
+        ),
+        ("write", frozenset({"write"})),
+    ),
+    **dict.fromkeys(
+        ("create_sampling_session", "asample", "samplers"),
+        ("sample", frozenset({"sample", "write"})),
+    ),
+    **dict.fromkeys(("get_info", "training_runs"), ("read", frozenset({"read", "write"}))),
+}
 
 
 async def body_of(request: Request) -> bytes:
@@ -99,7 +121,10 @@ def missing_scope(principal: Principal, method: str, path: str) -> str | None:
     scopes = principal.scopes
     if path.startswith(GATEWAY_PATHS):
         return None if "sample" in scopes else "sample"
-    if path.startswith(TINKER_PATHS) or (path.startswith("/v1/workers") and method in CHANGES):
+    if path.startswith(TINKER_PATHS):
+        needed = TINKER_SCOPES.get(path.removeprefix(TINKER_API).split("/", 1)[0])
+        return None if needed is None or scopes & needed[1] else needed[0]
+    if path.startswith("/v1/workers") and method in CHANGES:
         return "admin"
     if method in READS:
         return None if scopes & {"read", "write"} else "read"
@@ -119,9 +144,10 @@ class ApiKeys:
     """Who a request is, from its headers alone, before the app reads a byte of its body
     (the server discards what still arrives of it; `trainyard serve` for at most
     TRAINYARD_BODY_TIMEOUT_SECONDS): a key from TRAINYARD_API_KEYS (admin), or a project
-    key (`ty_…`) looked up by its hash in `app.tenants.keys.KeyBook`'s cache. 401 for no
-    key, an unknown, revoked or expired one; 403 naming the scope the key lacks (the
-    gateway answers both in OpenAI's envelope). Without keys in the setting or the
+    key (`ty_…`, or `tml-ty_…` as the Tinker SDK sends it) looked up by its hash in
+    `app.tenants.keys.KeyBook`'s cache. 401 for no key, an unknown, revoked or expired
+    one; 403 naming the scope the key lacks (the gateway answers both in OpenAI's
+    envelope). Without keys in the setting or the
     database the service is open. Open: the paths in `open_paths`, exactly.
 
     Every other request gets an `X-Request-ID` (the client's, if sane) in its answer, and
@@ -145,12 +171,13 @@ class ApiKeys:
         given = bearer_token(headers.get("authorization"))
         if given is None and path.startswith(TINKER_PATHS):
             given = headers.get("x-api-key")  # how the Tinker SDK sends its key
+        secret = given.removeprefix(TINKER_KEY_PREFIX) if given is not None else None
         principal: Principal | None = None
         try:
             if self.keys and key_matches(self.keys, given):
                 principal = ADMIN
-            elif given is not None and given.startswith(SECRET_PREFIX) and tenants is not None:
-                principal = await tenants.keys.principal(given)
+            elif secret is not None and secret.startswith(SECRET_PREFIX) and tenants is not None:
+                principal = await tenants.keys.principal(secret)
             if (
                 principal is None
                 and not self.keys

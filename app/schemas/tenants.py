@@ -60,6 +60,10 @@ class ApiKey(BaseModel):
 
 class ApiKeyCreated(ApiKey):
     secret: str = Field(description="The key's secret: in this answer only, never again.")
+    tinker_api_key: str = Field(
+        description="The same secret as the Tinker SDK takes it (`tml-` and the secret; the "
+        "SDK refuses keys without that prefix): its `TINKER_API_KEY`. In this answer only."
+    )
 
 
 class AuditEvent(BaseModel):

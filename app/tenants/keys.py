@@ -26,6 +26,9 @@ SCOPES = ("admin", "write", "read", "sample")
 """`admin`: everything, every project, keys. `write`: submit, cancel, register, delete in
 its project (and read). `read`: GET and HEAD only. `sample`: the gateway only."""
 SECRET_PREFIX = "ty_"
+TINKER_KEY_PREFIX = "tml-"
+"""The Tinker SDK refuses a key that does not start with `tml-`: a secret `ty_…` is also
+taken as `tml-ty_…` (the key's `tinker_api_key`), on every path."""
 PREFIX_SHOWN = 10  # `ty_` and 7 characters of the secret: enough to tell keys apart
 MAX_PENDING_TOUCHES = 10_000
 

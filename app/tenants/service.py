@@ -15,7 +15,7 @@ from app.errors import ConflictError, InvalidInputError, NotFoundError
 from app.models import ApiKeyRow, AuditEventRow, ProjectRow
 from app.schemas.common import FieldError
 from app.schemas.tenants import ApiKey, ApiKeyCreate, ApiKeyCreated, AuditEvent, Project
-from app.tenants.keys import PREFIX_SHOWN, new_secret, secret_hash
+from app.tenants.keys import PREFIX_SHOWN, TINKER_KEY_PREFIX, new_secret, secret_hash
 
 
 def _project(row: ProjectRow) -> Project:
@@ -88,7 +88,9 @@ async def create_key(session: AsyncSession, project_id: str, body: ApiKeyCreate)
     )
     session.add(row)
     await session.flush()
-    return ApiKeyCreated(**_key(row).model_dump(), secret=secret)
+    return ApiKeyCreated(
+        **_key(row).model_dump(), secret=secret, tinker_api_key=TINKER_KEY_PREFIX + secret
+    )
 
 
 async def list_keys(

@@ -36,22 +36,30 @@ class Result:
 class Futures:
     def __init__(self) -> None:
         self._tasks: dict[str, asyncio.Task[Result]] = {}
+        self._owners: dict[str, str | None] = {}
         self._order: list[str] = []
 
-    def submit(self, request_id: str, work: Awaitable[Result]) -> str:
-        """Start `work` as `request_id` unless it exists (a retried request)."""
+    def submit(self, request_id: str, work: Awaitable[Result], *, owner: str | None) -> str:
+        """Start `work` as `request_id` unless it exists (a retried request). `owner`: the
+        project whose keys may retrieve it (None: any key's)."""
         if request_id in self._tasks:
             if asyncio.iscoroutine(work):
                 work.close()
             return request_id
         self._tasks[request_id] = asyncio.ensure_future(work)
+        self._owners[request_id] = owner
         self._order.append(request_id)
         while len(self._order) > KEEP:
-            self._tasks.pop(self._order.pop(0), None)
+            gone = self._order.pop(0)
+            self._tasks.pop(gone, None)
+            self._owners.pop(gone, None)
         return request_id
 
     def known(self, request_id: str) -> bool:
         return request_id in self._tasks
+
+    def owner(self, request_id: str) -> str | None:
+        return self._owners.get(request_id)
 
     async def wait(self, request_id: str, seconds: float = LONG_POLL_SECONDS) -> Result | None:
         """The result, or None when it is not ready within `seconds`. KeyError: unknown id."""
@@ -68,3 +76,4 @@ class Futures:
         for task in self._tasks.values():
             task.cancel()
         self._tasks.clear()
+        self._owners.clear()

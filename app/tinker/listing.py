@@ -1,7 +1,8 @@
 """The SDK's `RestClient` views of Tinker runs, read from the registry: a training run is a
-model of project `tinker`, its checkpoints the model's steps on disk, named by the paths this
-process saved or by their aliases (`state-<name>`: a state, `<name>`: sampler weights; an
-unnamed step is sampler weights `<step:06d>`)."""
+model labelled `tinker` (its `project`; it belongs to the project of the key that made it),
+its checkpoints the model's steps on disk, named by the paths this process saved or by their
+aliases (`state-<name>`: a state, `<name>`: sampler weights; an unnamed step is sampler
+weights `<step:06d>`)."""
 
 from __future__ import annotations
 
@@ -79,10 +80,19 @@ async def training_run(
 
 
 async def training_runs(
-    session: AsyncSession, dirs: Any, saved: dict[str, tuple[str, int]], limit: int, offset: int
+    session: AsyncSession,
+    dirs: Any,
+    saved: dict[str, tuple[str, int]],
+    limit: int,
+    offset: int,
+    *,
+    sees: str | None,
 ) -> dict[str, Any]:
-    """A page of runs, by name, as the SDK's `TrainingRunsResponse`."""
+    """A page of runs, by name, as the SDK's `TrainingRunsResponse`: those of project `sees`
+    (None: every project's)."""
     query = select(ModelRow).where(ModelRow.project == PROJECT)
+    if sees is not None:
+        query = query.where(ModelRow.project_id == sees)
     total = await session.scalar(select(func.count()).select_from(query.subquery()))
     rows = (await session.scalars(query.order_by(ModelRow.name).limit(limit).offset(offset))).all()
     return {

@@ -1,13 +1,15 @@
 """The Tinker surface's rules: sessions, training runs, samplers, and the operations on them.
 
 A training run (the SDK's `model_id`, `<session>:train:<seq>`) is a Trainyard model of the
-cpu backend named `tinker-<session>-<seq>`, in project `tinker`, over a base model the cpu
-backend can load: a registered cpu model's name (its `base_model` directory) or such a
-directory itself. Its policy (the base model with a LoRA adapter of the requested rank, seed
-and targets) lives in this process. Operations on one run are journaled as they are accepted
-(`app.tinker.journal`: a restarted process makes the run again from them) and run one at a
-time, in the order they arrived (an asyncio lock is first-come first-served), in a thread,
-under the policy's lock.
+cpu backend named `tinker-<session>-<seq>` (its `project` label `tinker`), over a base model
+the cpu backend can load: a registered cpu model's name (its `base_model` directory) or such
+a directory itself. It belongs to the project of the key that made it: a key of another
+project finds no session, run, sampler, checkpoint or future of it (`visible`), and names
+only its own project's models as base models. Its policy (the base model with a LoRA
+adapter of the requested rank, seed and targets) lives in this process. Operations on one run
+are journaled as they are accepted (`app.tinker.journal`: a restarted process makes the run
+again from them) and run one at a time, in the order they arrived (an asyncio lock is
+first-come first-served), in a thread, under the policy's lock.
 
 `save_weights_for_sampler` and `save_weights` (save_state) write the adapter as the run's
 next checkpoint step, so the registry lists it and the gateway serves it as `<run>@<step>`;
@@ -27,17 +29,19 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from sqlalchemy import update
+from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app.backends.cpu import base_model_refusal
 from app.checkpoints.service import set_alias
+from app.errors import ConflictError
 from app.models import ModelAliasRow, ModelRow, TinkerSamplerRow
 from app.registry.models import create_model
 from app.schemas.checkpoints import ALIAS_PATTERN, BUILTIN_ALIASES
 from app.schemas.models import ModelCreate
 from app.settings import Settings
-from app.tinker import journal, listing, spec, wire
+from app.tenants.keys import ADMIN, Principal
+from app.tinker import journal, listing, sampling, spec, wire
 from app.tinker.futures import LONG_POLL_SECONDS, Futures, Result
 
 log = logging.getLogger(__name__)
@@ -49,8 +53,7 @@ WEIGHTS_IN_MEMORY = 8
 SAMPLER = "sampler_weights"
 SESSION_BYTES = 6
 SESSION_PATTERN = rf"s[0-9a-f]{{{2 * SESSION_BYTES}}}"
-MAX_CONTEXT = 2048
-MAX_TOPK = 100  # `topk_prompt_logprobs`: k of the k likeliest tokens at each prompt position
+MAX_CONTEXT = sampling.MAX_TOKENS
 
 
 class TinkerError(Exception):
@@ -70,6 +73,7 @@ class Run:
     lora: spec.Lora
     policy: Any
     vocab: int
+    project_id: str  # the project of the key that made it: its registry model's
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # operations run one at a time
     accepting: asyncio.Lock = field(default_factory=asyncio.Lock)  # journaled in order
     step: int = 0  # checkpoint steps written (sampler saves)
@@ -96,6 +100,13 @@ class Sampler:
     policy: Any | None = None
     weights: dict[str, Any] | None = None
     directory: Path | None = None
+    project_id: str | None = None  # its run's, or its registered base model's; None: a
+    # base model given as a directory, which any key may sample
+
+
+def visible(project_id: str | None, principal: Principal) -> bool:
+    """Whether `principal` may reach what belongs to `project_id` (None: every project's)."""
+    return project_id is None or principal.sees is None or principal.sees == project_id
 
 
 class TinkerService:
@@ -106,7 +117,7 @@ class TinkerService:
         self.sessions = sessions
         self.backends = backends
         self.futures = Futures()
-        self.tinker_sessions: dict[str, int] = {}  # session id -> heartbeats
+        self.tinker_sessions: dict[str, str] = {}  # session id -> its project
         self.runs: dict[str, Run] = {}
         self.samplers: dict[str, Sampler] = {}
         self.by_path: dict[str, str] = {}  # tinker path -> sampler id
@@ -121,29 +132,33 @@ class TinkerService:
 
     # -- sessions and capabilities -----------------------------------------------------
 
-    def create_session(self) -> str:
+    def create_session(self, principal: Principal) -> str:
         session_id = f"s{secrets.token_hex(SESSION_BYTES)}"
-        self.tinker_sessions[session_id] = 0
+        self.tinker_sessions[session_id] = principal.owner
         return session_id
 
-    def heartbeat(self, session_id: str) -> None:
-        self.tinker_sessions[self._session(session_id)] += 1
+    def heartbeat(self, session_id: str, principal: Principal) -> None:
+        self._session(session_id, principal)
 
-    def _session(self, session_id: Any) -> str:
+    def _session(self, session_id: Any, principal: Principal) -> str:
         """A session of this process, or one an earlier process made (its SDK goes on after
-        a restart: its runs are made again from the journal)."""
+        a restart: its runs are made again from the journal). A session is its maker's
+        project's: another project's key is told there is none."""
         session_id = str(session_id)
-        if session_id not in self.tinker_sessions:
-            if not re.fullmatch(SESSION_PATTERN, session_id):
-                raise TinkerError(404, f"session_id: no session {session_id!r}")
-            self.tinker_sessions[session_id] = 0
+        owner = self.tinker_sessions.get(session_id)
+        if owner is None and re.fullmatch(SESSION_PATTERN, session_id):
+            owner = self.tinker_sessions[session_id] = principal.owner
+        if owner is None or not visible(owner, principal):
+            raise TinkerError(404, f"session_id: no session {session_id!r}")
         return session_id
 
-    async def capabilities(self) -> list[dict[str, Any]]:
-        from sqlalchemy import select
-
+    async def capabilities(self, principal: Principal) -> list[dict[str, Any]]:
+        """The cpu models the key sees (its project's; every one for an admin key)."""
+        query = select(ModelRow).where(ModelRow.backend == "cpu")
+        if principal.sees is not None:
+            query = query.where(ModelRow.project_id == principal.sees)
         async with self.sessions() as session:
-            rows = (await session.scalars(select(ModelRow).where(ModelRow.backend == "cpu"))).all()
+            rows = (await session.scalars(query)).all()
         return [
             {
                 "model_name": row.name,
@@ -155,11 +170,16 @@ class TinkerService:
             if row.project != PROJECT
         ]
 
-    async def resolve_base(self, base_model: str) -> str:
-        """The local directory of `base_model`: a registered cpu model's name, or a directory
-        the cpu backend may load."""
+    async def resolve_base(
+        self, base_model: str, principal: Principal = ADMIN
+    ) -> tuple[str, str | None]:
+        """The local directory of `base_model` and its project: a registered cpu model's
+        name the key sees, or a directory the cpu backend may load (no project: any key may
+        name one)."""
         async with self.sessions() as session:
             row = await session.get(ModelRow, base_model)
+        if row is not None and not visible(row.project_id, principal):
+            row = None  # another project's model: as if there were none
         if row is not None:
             if row.backend != "cpu":
                 raise TinkerError(
@@ -168,7 +188,7 @@ class TinkerService:
                     "not offer Tinker's operations (forward_backward, optim_step, sample); "
                     "use a cpu model",
                 )
-            return row.base_model
+            return row.base_model, row.project_id
         refusal = base_model_refusal(base_model, self.settings.allowed_model_roots())
         if refusal is not None or not await asyncio.to_thread(Path(base_model).is_dir):
             raise TinkerError(
@@ -176,12 +196,14 @@ class TinkerService:
                 f"base_model: {base_model!r} is neither a registered cpu model nor a model "
                 "directory the cpu backend may load (see get_server_capabilities)",
             )
-        return base_model
+        return base_model, None
 
     # -- training runs -----------------------------------------------------------------
 
-    async def create_model(self, body: dict[str, Any]) -> str:
-        session_id, seq = self._session(body.get("session_id", "")), body.get("model_seq_id")
+    async def create_model(self, body: dict[str, Any], principal: Principal) -> tuple[str, str]:
+        """A new training run of the key's project: its future's request id, its model id."""
+        session_id = self._session(body.get("session_id", ""), principal)
+        seq = body.get("model_seq_id")
         lora_body = body.get("lora_config") or {}
         rank = lora_body.get("rank", 32)
         if not isinstance(rank, int) or not 1 <= rank <= 256:
@@ -194,14 +216,27 @@ class TinkerService:
             train_unembed=bool(lora_body.get("train_unembed", True)),
         )
         base_model = str(body.get("base_model", ""))
-        base_dir = await self.resolve_base(base_model)
-        run = await self._open_run(session_id, seq, base_model, base_dir, lora)
-        return run.model_id
+        base_dir, _ = await self.resolve_base(base_model, principal)
+        run = await self._open_run(session_id, seq, base_model, base_dir, lora, principal.owner)
+        answer = {"type": "create_model", "model_id": run.model_id}
+
+        async def done() -> Result:
+            return Result(json=answer)
+
+        request_id = f"{run.model_id}:create"
+        return self.futures.submit(request_id, done(), owner=run.project_id), run.model_id
 
     async def _open_run(
-        self, session_id: str, seq: Any, base_model: str, base_dir: str, lora: spec.Lora
+        self,
+        session_id: str,
+        seq: Any,
+        base_model: str,
+        base_dir: str,
+        lora: spec.Lora,
+        project_id: str,
     ) -> Run:
-        """The run `<session>:train:<seq>`: its registry model and its policy (made once)."""
+        """The run `<session>:train:<seq>` of `project_id`: its registry model and its
+        policy (made once)."""
         model_id, name = f"{session_id}:train:{seq}", f"tinker-{session_id}-{seq}"
         async with self.sessions() as session:
             config = {
@@ -210,35 +245,57 @@ class TinkerService:
                 "seed": lora.seed,
                 "target_modules": lora.targets,
             }
-            await create_model(
-                session,
-                body=ModelCreate(
-                    name=name, project=PROJECT, base_model=base_dir, backend="cpu", config=config
-                ),
-                model_roots=self.settings.allowed_model_roots(),
-            )
+            try:
+                await create_model(
+                    session,
+                    body=ModelCreate(
+                        name=name,
+                        project=PROJECT,
+                        base_model=base_dir,
+                        backend="cpu",
+                        config=config,
+                    ),
+                    model_roots=self.settings.allowed_model_roots(),
+                    project_id=project_id,
+                )
+            except ConflictError as exc:  # the run exists, made otherwise or by another project
+                # 400, not 409: the SDK sends a 409 again and again.
+                raise TinkerError(400, f"model_seq_id: {exc.detail}") from exc
             await session.commit()
         if model_id not in self.runs:
             policy = await asyncio.to_thread(
                 _trainer().load_policy, base_dir, lora, self.settings.cpu_device
             )
             self.runs[model_id] = Run(
-                model_id, name, base_model, base_dir, lora, policy, vocab_size(policy)
+                model_id, name, base_model, base_dir, lora, policy, vocab_size(policy), project_id
             )
         return self.runs[model_id]
 
-    async def run(self, model_id: str) -> Run:
+    async def run(self, model_id: str, principal: Principal = ADMIN) -> Run:
         """The run `model_id`: held by this process, or made again from its registry model
-        and its journal (a run of an earlier process: see `app.tinker.journal`)."""
+        and its journal (a run of an earlier process: see `app.tinker.journal`). Another
+        project's run does not exist for the key."""
         run = self.runs.get(model_id)
-        if run is not None:
-            return run
-        task = self._restoring.get(model_id)
-        if task is None:
-            task = asyncio.ensure_future(self._restore(model_id))
-            self._restoring[model_id] = task
-            task.add_done_callback(lambda _: self._restoring.pop(model_id, None))
-        return await asyncio.shield(task)
+        if run is None:
+            if principal.sees is not None:  # not made again for a key that may not see it
+                await self._registry_model(model_id, "model_id", principal)
+            task = self._restoring.get(model_id)
+            if task is None:
+                task = asyncio.ensure_future(self._restore(model_id))
+                self._restoring[model_id] = task
+                task.add_done_callback(lambda _: self._restoring.pop(model_id, None))
+            run = await asyncio.shield(task)
+        if not visible(run.project_id, principal):
+            raise TinkerError(404, f"model_id: no training run {model_id!r}")
+        return run
+
+    async def _registry_model(self, run_id: str, field: str, principal: Principal) -> ModelRow:
+        """The registry model of a run (named either way), if the key may see it."""
+        async with self.sessions() as session:
+            row = await session.get(ModelRow, listing.run_name(run_id))
+        if row is None or row.project != PROJECT or not visible(row.project_id, principal):
+            raise TinkerError(404, f"{field}: no training run {run_id!r}")
+        return row
 
     async def _restore(self, model_id: str) -> Run:
         name = listing.run_name(model_id)
@@ -250,7 +307,16 @@ class TinkerService:
         policy = await asyncio.to_thread(
             _trainer().load_policy, row.base_model, lora, self.settings.cpu_device
         )
-        run = Run(model_id, name, row.base_model, row.base_model, lora, policy, vocab_size(policy))
+        run = Run(
+            model_id,
+            name,
+            row.base_model,
+            row.base_model,
+            lora,
+            policy,
+            vocab_size(policy),
+            row.project_id,
+        )
         async with run.lock:  # operations accepted meanwhile wait for the replay
             self.runs[model_id] = run
             ops = await journal.operations(self.sessions, name)
@@ -258,7 +324,7 @@ class TinkerService:
             for op in ops:
                 if not op.done:  # a retrieve of it waits for the replay to do it
                     pending[op.request_id] = asyncio.get_running_loop().create_future()
-                    self.futures.submit(op.request_id, pending[op.request_id])
+                    self.futures.submit(op.request_id, pending[op.request_id], owner=run.project_id)
             await self._replay(run, ops, pending)
         return run
 
@@ -288,8 +354,8 @@ class TinkerService:
                 await journal.finish(self.sessions, op.request_id, result, step=step, path=path)
                 pending[op.request_id].set_result(result)
 
-    async def info(self, model_id: str) -> dict[str, Any]:
-        run = await self.run(model_id)
+    async def info(self, model_id: str, principal: Principal) -> dict[str, Any]:
+        run = await self.run(model_id, principal)
         return {
             "type": "get_info",
             "model_id": model_id,
@@ -320,7 +386,7 @@ class TinkerService:
                 body=body,
             )
             work = self._do(run, request_id, kind, body) if accepted else self._stored(request_id)
-            self.futures.submit(request_id, work)
+            self.futures.submit(request_id, work, owner=run.project_id)
         return request_id
 
     async def _do(self, run: Run, request_id: str, kind: str, body: bytes) -> Result:
@@ -389,8 +455,10 @@ class TinkerService:
             result: Result = work(run.policy)
             return result
 
-    async def forward_backward(self, request: wire.ForwardBackwardRequest, raw: bytes) -> str:
-        run = await self.run(request.model_id)
+    async def forward_backward(
+        self, request: wire.ForwardBackwardRequest, raw: bytes, principal: Principal
+    ) -> str:
+        run = await self.run(request.model_id, principal)
         try:  # before it is queued: the SDK raises a 400 as BadRequestError
             spec.check_data(run.vocab, request.loss_fn, request.data)
         except spec.UserError as exc:
@@ -398,21 +466,21 @@ class TinkerService:
         kind = "forward" if request.forward_only else "forward_backward"
         return await self.submit(run, request.seq_id, kind, raw)
 
-    async def optim_step(self, body: dict[str, Any]) -> str:
-        run = await self.run(str(body.get("model_id", "")))
+    async def optim_step(self, body: dict[str, Any], principal: Principal) -> str:
+        run = await self.run(str(body.get("model_id", "")), principal)
         params = {**DEFAULT_ADAM, **(body.get("adam_params") or {})}
         lr = params["learning_rate"]
         if not isinstance(lr, int | float) or not 0 <= lr <= 1:
             raise TinkerError(400, "adam_params.learning_rate: must be a number from 0 to 1")
         return await self.submit(run, body.get("seq_id"), "optim_step", _json(body))
 
-    async def save(self, body: dict[str, Any], kind: str) -> str:
+    async def save(self, body: dict[str, Any], kind: str, principal: Principal) -> str:
         """`save_weights_for_sampler` (kind `sampler_weights`) or `save_weights` (`weights`,
         the SDK's save_state): the adapter (and the optimizer's state) as the run's next
         checkpoint step. A name that can be an alias becomes one: as itself for a sampler's
         weights (the gateway serves `<run>@<name>`), as `state-<name>` for a state (so a
         `tinker://` path of it resolves after a restart)."""
-        run = await self.run(str(body.get("model_id", "")))
+        run = await self.run(str(body.get("model_id", "")), principal)
         name = body.get("path")
         if name is not None and (not isinstance(name, str) or not name or "/" in name):
             raise TinkerError(400, "path: a name without `/`")
@@ -426,6 +494,10 @@ class TinkerService:
         alias = None if name is None else name if kind == SAMPLER else f"state-{name}"
         weights, step = await asyncio.to_thread(self._save, run)
         async with self.sessions() as session:
+            # The alias first: it begins the writing transaction (after another statement
+            # SQLAlchemy would ignore its BEGIN IMMEDIATE, with a warning).
+            if alias and re.fullmatch(ALIAS_PATTERN, alias) and alias not in BUILTIN_ALIASES:
+                await set_alias(session, self.backends, name=run.name, alias=alias, step=step)
             # The model's current step is the newest save: `<run>`, `<run>@latest` and
             # `<run>@<step>` name it at the gateway.
             await session.execute(
@@ -433,8 +505,6 @@ class TinkerService:
                 .where(ModelRow.name == run.name, ModelRow.current_step < step)
                 .values(current_step=step, step_known=True)
             )
-            if alias and re.fullmatch(ALIAS_PATTERN, alias) and alias not in BUILTIN_ALIASES:
-                await set_alias(session, self.backends, name=run.name, alias=alias, step=step)
             await session.commit()
         path = f"{SCHEME}{run.name}/{kind}/{name or f'{step:06d}'}"
         self.saved[path] = (run.name, step)
@@ -447,6 +517,7 @@ class TinkerService:
             policy=run.policy,
             weights=weights,
             directory=self._directory(run, step),
+            project_id=run.project_id,
         )
         answer = {
             "type": "save_weights_for_sampler",
@@ -471,9 +542,12 @@ class TinkerService:
         run.step = step
         return weights, step
 
-    async def _checkpoint(self, path: Any, field: str = "path") -> tuple[ModelRow, Path]:
+    async def _checkpoint(
+        self, path: Any, field: str = "path", principal: Principal = ADMIN
+    ) -> tuple[ModelRow, Path]:
         """The registry model and the checkpoint directory a `tinker://` path names: a save
-        of this process or of the journal, or one whose name is an alias (see `save`)."""
+        of this process or of the journal, or one whose name is an alias (see `save`). A
+        run of a project the key does not see has none."""
         if not isinstance(path, str) or not path.startswith(SCHEME):
             raise TinkerError(400, f"{field}: a tinker:// path")
         parts = path.removeprefix(SCHEME).split("/")
@@ -490,6 +564,8 @@ class TinkerService:
                 found = None if aliased is None else (row.name, aliased.step)
         dirs = self.backends.get("cpu").backend
         directory = None
+        if row is not None and not visible(row.project_id, principal):
+            row = None
         if row is not None and row.project == PROJECT and found is not None:
             directory = await asyncio.to_thread(
                 dirs.checkpoint, _Named(row.name, PROJECT), found[1]
@@ -498,42 +574,43 @@ class TinkerService:
             raise TinkerError(404, f"{field}: no checkpoint at {path!r}")
         return row, directory
 
-    async def load(self, body: dict[str, Any]) -> tuple[str, str]:
+    async def load(self, body: dict[str, Any], principal: Principal) -> tuple[str, str]:
         """`load_weights`: into a run (`model_id`: load_state), or into a new run of the
         session (`session_id`, `model_seq_id`: create_training_client_from_state) with the
         checkpoint's LoRA config. With `optimizer`, the optimizer's state too."""
         path = body.get("path")
-        row, _ = await self._checkpoint(path)
+        row, _ = await self._checkpoint(path, principal=principal)
         if body.get("session_id") is not None:
-            session_id = self._session(body["session_id"])
+            session_id = self._session(body["session_id"], principal)
             lora = lora_of(row)
             base = str(body.get("base_model") or row.base_model)
-            run = await self._open_run(
-                session_id, body.get("model_seq_id"), base, await self.resolve_base(base), lora
-            )
+            base_dir, _ = await self.resolve_base(base, principal)
+            seq = body.get("model_seq_id")
+            run = await self._open_run(session_id, seq, base, base_dir, lora, principal.owner)
             seq_id: Any = 0
         else:
-            run = await self.run(str(body.get("model_id", "")))
+            run = await self.run(str(body.get("model_id", "")), principal)
             seq_id = body.get("seq_id")
         fields = {"path": path, "optimizer": bool(body.get("optimizer"))}
         return await self.submit(run, seq_id, "load_weights", _json(fields)), run.model_id
 
     # -- the RestClient's views ----------------------------------------------------------
 
-    async def training_runs(self, limit: int, offset: int) -> dict[str, Any]:
+    async def training_runs(self, limit: int, offset: int, principal: Principal) -> dict[str, Any]:
         if not 1 <= limit <= 1000 or offset < 0:
             raise TinkerError(400, "limit: from 1 to 1000, and offset: 0 or more")
         async with self.sessions() as session:
-            return await listing.training_runs(session, self._dirs(), self.saved, limit, offset)
+            return await listing.training_runs(
+                session, self._dirs(), self.saved, limit, offset, sees=principal.sees
+            )
 
-    async def training_run(self, training_run_id: str, *, checkpoints: bool = False) -> Any:
-        name = listing.run_name(training_run_id)
+    async def training_run(
+        self, training_run_id: str, principal: Principal, *, checkpoints: bool = False
+    ) -> Any:
+        row = await self._registry_model(training_run_id, "training_run_id", principal)
         async with self.sessions() as session:
-            row = await session.get(ModelRow, name)
-            if row is None or row.project != PROJECT:
-                raise TinkerError(404, f"training_run_id: no training run {training_run_id!r}")
             if checkpoints:
-                found = await listing.checkpoints(session, self._dirs(), self.saved, name)
+                found = await listing.checkpoints(session, self._dirs(), self.saved, row.name)
                 return {"checkpoints": found}
             return await listing.training_run(session, self._dirs(), self.saved, row)
 
@@ -562,31 +639,41 @@ class TinkerService:
             await session.commit()
         return self._add_sampler(Sampler(sampler_id, base_model, path, **source))
 
-    async def create_sampling_session(self, body: dict[str, Any]) -> str:
+    async def create_sampling_session(self, body: dict[str, Any], principal: Principal) -> str:
         path, base = body.get("model_path"), body.get("base_model")
         if path:
             found = self.by_path.get(str(path))
-            if found is not None:
+            if found is not None and visible(self.samplers[found].project_id, principal):
                 old = self.samplers[found]
-                source = {"policy": old.policy, "weights": old.weights, "directory": old.directory}
+                source = {
+                    "policy": old.policy,
+                    "weights": old.weights,
+                    "directory": old.directory,
+                    "project_id": old.project_id,
+                }
                 made = await self._new_sampler(
                     old.base_model, old.model_path, run=old.run, **source
                 )
                 return made.sampler_id
             # Saved by an earlier process: the journal, or an alias, knows its step.
-            base_model, source = await self._from_path(path, "model_path")
+            base_model, source = await self._from_path(path, "model_path", principal)
             return (await self._new_sampler(base_model, str(path), **source)).sampler_id
         if not base:
             raise TinkerError(400, "base_model: required when model_path is not given")
-        await self.resolve_base(str(base))
-        return (await self._new_sampler(str(base), None, run=None)).sampler_id
+        _, project_id = await self.resolve_base(str(base), principal)
+        made = await self._new_sampler(str(base), None, run=None, project_id=project_id)
+        return made.sampler_id
 
-    async def _from_path(self, path: Any, field: str) -> tuple[str, dict[str, Any]]:
+    async def _from_path(
+        self, path: Any, field: str, principal: Principal = ADMIN
+    ) -> tuple[str, dict[str, Any]]:
         """What a sampler of a saved `tinker://` path samples with: the run's base model, a
-        policy of its LoRA config, and the checkpoint directory its weights are read from."""
-        row, directory = await self._checkpoint(path, field)
+        policy of its LoRA config, the checkpoint directory its weights are read from, and
+        the run's project."""
+        row, directory = await self._checkpoint(path, field, principal)
         policy = await self._restored_policy(row)
-        return row.base_model, {"run": None, "policy": policy, "directory": directory}
+        source = {"run": None, "policy": policy, "directory": directory}
+        return row.base_model, {**source, "project_id": row.project_id}
 
     async def _restored_policy(self, row: ModelRow) -> Any:
         """A policy for a run of an earlier process: its base model and LoRA config."""
@@ -600,14 +687,22 @@ class TinkerService:
                 )
             return self._base_policies[row.name]
 
-    async def retrieve(self, request_id: str) -> Result | None:
+    async def retrieve(self, request_id: str, principal: Principal) -> Result | None:
         """A future's result; None when it is not ready within the long poll. One this
         process never held is answered from the journal (done), or once its run has been
-        made again and the replay has done it. KeyError: no such request."""
-        if not self.futures.known(request_id):
+        made again and the replay has done it. KeyError: no such request (or another
+        project's, which the key may not know of)."""
+        if self.futures.known(request_id):
+            if not visible(self.futures.owner(request_id), principal):
+                raise KeyError(request_id)
+        else:
             found = await journal.find(self.sessions, request_id)
             if found is None:
                 raise KeyError(request_id)
+            try:
+                await self._registry_model(found.model_id, "request_id", principal)
+            except TinkerError:
+                raise KeyError(request_id) from None
             if found.done:
                 return await journal.result(self.sessions, request_id)
             restoring = asyncio.ensure_future(self.run(found.model_id))
@@ -619,129 +714,68 @@ class TinkerService:
                 return await journal.result(self.sessions, request_id)
         return await self.futures.wait(request_id)
 
-    async def sampler(self, sampler_id: str) -> Sampler:
+    async def sampler(self, sampler_id: str, principal: Principal) -> Sampler:
         """A sampling session of this process, or one an earlier process recorded (made
-        again from its path or base model)."""
-        sampler = self.samplers.get(sampler_id)
-        if sampler is not None:
-            return sampler
+        again from its path or base model); another project's is none."""
+        sampler = self.samplers.get(sampler_id) or await self._recorded_sampler(sampler_id)
+        if sampler is None or not visible(sampler.project_id, principal):
+            raise TinkerError(404, f"sampling_session_id: no sampler {sampler_id!r}")
+        return sampler
+
+    async def _recorded_sampler(self, sampler_id: str) -> Sampler | None:
         async with self.sessions() as session:
             row = await session.get(TinkerSamplerRow, sampler_id)
+            base = None if row is None else await session.get(ModelRow, row.base_model)
         if row is None:
-            raise TinkerError(404, f"sampling_session_id: no sampler {sampler_id!r}")
+            return None
         if row.model_path is None:
-            return self._add_sampler(Sampler(sampler_id, row.base_model, None, run=None))
+            project_id = None if base is None else base.project_id
+            sampler = Sampler(sampler_id, row.base_model, None, run=None, project_id=project_id)
+            return self._add_sampler(sampler)
         base_model, source = await self._from_path(row.model_path, "sampling_session_id")
         return self._add_sampler(Sampler(sampler_id, base_model, row.model_path, **source))
 
     async def _base_policy(self, base_model: str) -> Any:
         async with self._base_lock:
             if base_model not in self._base_policies:
-                base_dir = await self.resolve_base(base_model)
+                base_dir, _ = await self.resolve_base(base_model)
                 lora = spec.Lora(rank=1, seed=0)
                 self._base_policies[base_model] = await asyncio.to_thread(
                     _trainer().load_policy, base_dir, lora, self.settings.cpu_device
                 )
             return self._base_policies[base_model]
 
-    async def asample(self, body: dict[str, Any]) -> dict[str, Any]:
-        sampler = await self.sampler(str(body.get("sampling_session_id", "")))
-        params = body.get("sampling_params") or {}
-        prompt = [
-            t
-            for chunk in (body.get("prompt") or {}).get("chunks", [])
-            for t in chunk.get("tokens", [])
-        ]
-        n = body.get("num_samples", 1)
-        if not isinstance(n, int) or not 1 <= n <= 128:
-            raise TinkerError(400, "num_samples: an integer from 1 to 128")
-        if not prompt:
-            raise TinkerError(400, "prompt.chunks: no tokens")
-        max_tokens = params.get("max_tokens") or 16
-        if not isinstance(max_tokens, int) or not 1 <= max_tokens <= MAX_CONTEXT:
-            raise TinkerError(
-                400, f"sampling_params.max_tokens: an integer from 1 to {MAX_CONTEXT}"
-            )
-        for key in ("temperature", "top_p"):
-            value = params.get(key, 1.0)
-            if not isinstance(value, int | float) or not 0 <= value <= (
-                1 if key == "top_p" else 100
-            ):
-                raise TinkerError(400, f"sampling_params.{key}: out of range")
-        top_k = params.get("top_k", -1)
-        top_k = -1 if top_k is None else top_k
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < -1:
-            raise TinkerError(400, "sampling_params.top_k: -1 (every token) or a count from 1")
-        for key in UNSUPPORTED_SAMPLE_OPTIONS:
-            if body.get(key):
-                raise TinkerError(400, f"{key}: not supported here yet")
-        with_prompt = bool(body.get("prompt_logprobs"))
-        topk_prompt = body.get("topk_prompt_logprobs") or 0
-        if isinstance(topk_prompt, bool) or not isinstance(topk_prompt, int):
-            topk_prompt = -1
-        if not 0 <= topk_prompt <= MAX_TOPK:
-            raise TinkerError(400, f"topk_prompt_logprobs: an integer from 0 to {MAX_TOPK}")
-        last_n = body.get("prompt_logprobs_last_n")
-        if last_n is not None and (
-            not with_prompt or not isinstance(last_n, int) or not 1 <= last_n < len(prompt)
-        ):
-            raise TinkerError(
-                400,
-                "prompt_logprobs_last_n: needs prompt_logprobs, from 1 to the prompt's length - 1",
-            )
-        stop = params.get("stop") or []
-        if isinstance(stop, str):
-            stop = [stop]
-        policy = sampler.policy or await self._base_policy(sampler.base_model)
-        stop_ids = self._stop_ids(policy, stop)
-        vocab = vocab_size(policy)
-        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise TinkerError(
-                400, f"prompt: token {bad[0]} is outside the vocabulary (0..{vocab - 1})"
-            )
+    async def asample(self, body: dict[str, Any], principal: Principal) -> dict[str, Any]:
+        sampler = await self.sampler(str(body.get("sampling_session_id", "")), principal)
+        try:  # before it is queued: the SDK raises a 400 as BadRequestError
+            asked = sampling.read(body)
+            policy = sampler.policy or await self._base_policy(sampler.base_model)
+            stop_ids = self._stop_ids(policy, asked.stop)
+            sampling.check_vocabulary(asked, vocab_size(policy))
+        except spec.UserError as exc:
+            raise TinkerError(400, str(exc)) from exc
         request_id = f"{sampler.sampler_id}:sample:{body.get('seq_id')}"
         lock = sampler.run.lock if sampler.run else asyncio.Lock()
 
         def work() -> Result:
-            scores, topk = None, None
             weights = sampler.weights
             if weights is None and sampler.directory is not None:
                 weights = _trainer().read_adapter(sampler.directory, policy.device)
             with policy.lock:
-                if with_prompt or topk_prompt:
-                    scores, topk = _trainer().prompt_logprobs(
-                        policy, weights, prompt, last_n, topk_prompt
-                    )
-                samples = _trainer().sample(
-                    policy,
-                    weights,
-                    prompt,
-                    n=n,
-                    max_tokens=int(max_tokens),
-                    temperature=float(params.get("temperature", 1.0)),
-                    top_p=float(params.get("top_p", 1.0)),
-                    stop_ids=stop_ids,
-                    seed=params.get("seed"),
-                    top_k=max(top_k, 0),
-                )
-            sequences = [
-                wire.Sequence(
-                    s.token_ids, s.logprobs, "stop" if s.finish_reason == "stop" else "length"
-                )
-                for s in samples
-            ]
-            shown = scores if with_prompt else None
-            return Result(proto=wire.write_sample_response(sequences, shown, topk))
+                answer = wire.SampleAnswer([])
+                if asked.scores_prompt:
+                    answer = _trainer().score_prompt(policy, weights, asked)
+                answer.sequences = _trainer().sample(policy, weights, asked, stop_ids)
+            return Result(proto=wire.write_sample_response(answer))
 
         async def go() -> Result:
             async with lock:
                 return await asyncio.to_thread(work)
 
-        self.futures.submit(request_id, go())
+        self.futures.submit(request_id, go(), owner=sampler.project_id)
         return {
             "request_id": request_id,
-            "sample_sequence_ids": [f"{request_id}:{i}" for i in range(n)],
+            "sample_sequence_ids": [f"{request_id}:{i}" for i in range(asked.num_samples)],
         }
 
     @staticmethod
@@ -751,10 +785,12 @@ class TinkerService:
             if isinstance(item, int):
                 ids.add(item)
                 continue
+            if not isinstance(item, str):
+                raise spec.UserError(f"sampling_params.stop: {item!r} is no string or token id")
             encoded = policy.tokenizer(item, add_special_tokens=False)["input_ids"]
             if len(encoded) != 1:
-                raise TinkerError(
-                    400, f"sampling_params.stop: {item!r} is not one token here; give token ids"
+                raise spec.UserError(
+                    f"sampling_params.stop: {item!r} is not one token here; give token ids"
                 )
             ids.add(encoded[0])
         return ids
@@ -784,13 +820,6 @@ def lora_of(row: ModelRow) -> spec.Lora:
 def vocab_size(policy: Any) -> int:
     return int(policy.model.get_input_embeddings().weight.shape[0])
 
-
-# Sampling options the SDK has that are refused here (400) rather than ignored.
-UNSUPPORTED_SAMPLE_OPTIONS = (
-    "topk_sample_logprobs",
-    "target_prompt_logprobs",
-    "prompt_alt_tokens_k",
-)
 
 DEFAULT_ADAM = {
     "learning_rate": 1e-4,

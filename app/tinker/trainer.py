@@ -25,9 +25,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from app.backends.cpu_policy import Policy, Sample
+from app.backends.cpu_policy import Policy
+from app.tinker.sampling import Asked
 from app.tinker.spec import LORA_ALPHA, Lora
-from app.tinker.wire import MASK_LOGPROB, Datum, TopK
+from app.tinker.wire import MASK_LOGPROB, Datum, OutTensor, SampleAnswer, TopK
+from app.tinker.wire import Sequence as Sampled
 
 
 def load_policy(base_dir: str, lora: Lora, device: str) -> Policy:
@@ -157,65 +159,117 @@ def weights_of(policy: Policy, weights: dict[str, torch.Tensor] | None) -> Itera
 
 
 def sample(
-    policy: Policy,
-    weights: dict[str, torch.Tensor] | None,
-    prompt: list[int],
-    *,
-    n: int,
-    max_tokens: int,
-    temperature: float,
-    top_p: float,
-    stop_ids: set[int],
-    seed: int | None,
-    top_k: int = 0,
-) -> list[Sample]:
-    """Sample from `weights` (see `weights_of`); `top_k` 0: every token. Call with
-    `policy.lock` held."""
+    policy: Policy, weights: dict[str, torch.Tensor] | None, asked: Asked, stop_ids: set[int]
+) -> list[Sampled]:
+    """`asked.num_samples` sequences from `weights` (see `weights_of`), with the k likeliest
+    tokens at each sampled position when `topk_sample_logprobs` asks (their logprobs the
+    model's own, before temperature, as the sampled tokens' are). Call with `policy.lock`
+    held."""
     with weights_of(policy, weights):
-        return policy.sample(
-            prompt,
-            n=n,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_logprobs=0,
+        samples = policy.sample(
+            asked.prompt,
+            n=asked.num_samples,
+            max_tokens=asked.max_tokens,
+            temperature=asked.temperature,
+            top_p=asked.top_p,
+            top_logprobs=min(asked.topk_sample, vocab_of(policy)),
             stop_ids=stop_ids,
-            seed=seed,
-            top_k=top_k,
+            seed=asked.seed,
+            top_k=asked.top_k,
+            stop_at_eos=asked.stop_at_eos,
         )
+    return [
+        Sampled(
+            s.token_ids,
+            s.logprobs,
+            "stop" if s.finish_reason == "stop" else "length",
+            _topk_rows(s.top_logprobs) if asked.topk_sample else None,
+        )
+        for s in samples
+    ]
+
+
+def vocab_of(policy: Policy) -> int:
+    return int(policy.model.get_input_embeddings().weight.shape[0])
+
+
+def _topk_rows(rows: list[list[tuple[int, float]]]) -> TopK:
+    return TopK(
+        np.array([[t for t, _ in row] for row in rows], dtype=np.int32),
+        np.array([[lp for _, lp in row] for row in rows], dtype=np.float32),
+    )
 
 
 @torch.no_grad()
-def prompt_logprobs(
-    policy: Policy,
-    weights: dict[str, torch.Tensor] | None,
-    prompt: list[int],
-    last_n: int | None,
-    top_k: int = 0,
-) -> tuple[list[float], TopK | None]:
-    """Each prompt token's logprob given the tokens before it; NaN (the SDK's None) for the
-    first, and for those before the last `last_n`. With `top_k`, also the k likeliest tokens
-    at each position, likeliest first, and their logprobs (the same positions masked). Call
-    with `policy.lock` held."""
+def score_prompt(
+    policy: Policy, weights: dict[str, torch.Tensor] | None, asked: Asked
+) -> SampleAnswer:
+    """What `asked` wants of its prompt, from one forward pass over it (the sequences are
+    left to `sample`). Row i of the table is the distribution of prompt token i + 1 given
+    those before it:
+    - `prompt_logprobs`: each prompt token's logprob; NaN (the SDK's None) for the first,
+      and for those before the last `last_n`;
+    - `topk_prompt_logprobs`: the k likeliest tokens at each position, likeliest first, and
+      their logprobs (the same positions masked);
+    - `target_prompt_logprobs`: each asked cell's logprob (0.0 for a -1 cell);
+    - `prompt_alt_tokens_k`: k draws at each position after the first, with replacement, at
+      the request's temperature (greedy at 0; seeded by its seed), with the model's own
+      logprobs of them (before temperature, as the sampled tokens' are).
+    Call with `policy.lock` held."""
+    prompt = asked.prompt
     with weights_of(policy, weights):
         ids = torch.tensor([prompt], device=policy.device)
         logits = policy.model(input_ids=ids).logits[0, :-1].float()
-        table = torch.log_softmax(logits, dim=-1)
-        picked = table.gather(-1, ids[0, 1:].unsqueeze(-1))
-    scores = [math.nan, *picked.squeeze(-1).cpu().tolist()]
-    unscored = 1 if last_n is None else len(prompt) - last_n
-    if last_n is not None:
-        scores[:unscored] = [math.nan] * unscored
-    if top_k <= 0:
-        return scores, None
+    table = torch.log_softmax(logits, dim=-1)
+    picked = table.gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1)
+    scores = [math.nan, *picked.cpu().tolist()]
+    unscored = 1 if asked.last_n is None else len(prompt) - asked.last_n
+    scores[:unscored] = [math.nan] * unscored
+    answer = SampleAnswer([], scores if asked.prompt_logprobs else None)
+    if asked.topk_prompt:
+        answer.topk_prompt_logprobs = _prompt_topk(table, asked.topk_prompt, unscored)
+    if asked.targets is not None:
+        cells = asked.targets
+        rows = torch.from_numpy(cells.rows).to(policy.device)
+        wanted = torch.from_numpy(cells.ids).to(policy.device)
+        found = table[rows, wanted.clamp(min=0)].masked_fill(wanted < 0, 0.0)
+        answer.target_prompt_logprobs = cells.answer(found.cpu().numpy())
+    if asked.alt_k:
+        answer.prompt_alt_tokens = _alt_tokens(policy, logits, table, asked)
+    return answer
+
+
+def _prompt_topk(table: torch.Tensor, top_k: int, unscored: int) -> TopK:
     k = min(top_k, table.shape[-1])
     best = torch.topk(table, k, dim=-1)  # sorted: likeliest first
-    token_ids = np.zeros((len(prompt), k), dtype=np.int32)
-    logprobs = np.full((len(prompt), k), MASK_LOGPROB, dtype=np.float32)
+    length = table.shape[0] + 1
+    token_ids = np.zeros((length, k), dtype=np.int32)
+    logprobs = np.full((length, k), MASK_LOGPROB, dtype=np.float32)
     token_ids[1:] = best.indices.cpu().numpy()
     logprobs[1:] = best.values.cpu().numpy()
     token_ids[:unscored], logprobs[:unscored] = 0, MASK_LOGPROB
-    return scores, TopK(token_ids, logprobs)
+    return TopK(token_ids, logprobs)
+
+
+def _alt_tokens(
+    policy: Policy, logits: torch.Tensor, table: torch.Tensor, asked: Asked
+) -> tuple[OutTensor, OutTensor]:
+    rows, k = table.shape[0], asked.alt_k
+    if rows == 0:
+        drawn = torch.zeros((0, k), dtype=torch.int64, device=logits.device)
+    elif asked.temperature <= 0:
+        drawn = logits.argmax(dim=-1, keepdim=True).expand(rows, k)
+    else:
+        generator = None
+        if asked.seed is not None:
+            generator = torch.Generator(device=policy.device).manual_seed(asked.seed)
+        probs = torch.softmax(logits / asked.temperature, dim=-1)
+        drawn = torch.multinomial(probs, k, replacement=True, generator=generator)
+    chosen = table.gather(-1, drawn)
+    return (
+        OutTensor(drawn.cpu().numpy().astype(np.int64).reshape(-1), [rows, k]),
+        OutTensor(chosen.cpu().numpy().astype(np.float32).reshape(-1), [rows, k]),
+    )
 
 
 def read_adapter(directory: Path, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:

@@ -2,11 +2,11 @@
 
 The SDK (0.38) posts `forward_backward` as a `tinker_public.ForwardBackwardRequest` and reads
 `forward`/`forward_backward` and `sample` results only as `ForwardBackwardOutput` and
-`SampleResponse` protobufs. Those are five small messages of a public schema (field numbers
-below, from the SDK's `tinker/proto/tinker_public_pb2.py`), so they are decoded and encoded
-here rather than through generated code: the server then depends neither on the SDK nor on
-a protobuf runtime, and `tests/test_tinker_wire.py` checks both directions against the SDK's
-own encoder and decoder.
+`SampleResponse` protobufs. Those are a few small messages of a public schema (field numbers
+in docs/tinker.md, from the SDK's `tinker/proto/tinker_public_pb2.py`), so they are decoded
+and encoded here rather than through generated code: the server then depends neither on the
+SDK nor on a protobuf runtime, and `tests/test_tinker_wire.py` checks both directions against
+the SDK's own encoder and decoder.
 
 Wire types: 0 varint, 1 fixed64, 2 length-delimited, 5 fixed32. Unknown fields are skipped.
 """
@@ -251,10 +251,26 @@ def write_forward_backward_output(
 
 
 @dataclass
-class Sequence:
-    tokens: list[int]
-    logprobs: list[float]
-    stop_reason: str
+class OutTensor:
+    """A `Tensor` of an answer: `values` (float32 or int64), every cell of `shape` row-major
+    (dense), or only those CSR `crow` and `cols` list."""
+
+    values: np.ndarray
+    shape: list[int]
+    crow: np.ndarray | None = None
+    cols: np.ndarray | None = None
+
+
+def _tensor(tensor: OutTensor) -> bytes:
+    dtype = DTYPE_INT64 if tensor.values.dtype == np.int64 else DTYPE_FLOAT32
+    values = np.ascontiguousarray(tensor.values, dtype=_NUMPY[dtype]).tobytes()
+    if tensor.crow is None or tensor.cols is None:
+        encoded = _len(1, values)
+    else:
+        crow = np.ascontiguousarray(tensor.crow, dtype=np.int64).tobytes()
+        cols = np.ascontiguousarray(tensor.cols, dtype=np.int64).tobytes()
+        encoded = _len(2, _len(1, values) + _len(2, crow) + _len(3, cols))
+    return encoded + _int(3, dtype) + _packed(4, tensor.shape)
 
 
 @dataclass
@@ -280,21 +296,43 @@ def _topk(topk: TopK) -> bytes:
     )
 
 
-def write_sample_response(
-    sequences: list[Sequence],
-    prompt_logprobs: list[float] | None = None,
-    topk_prompt_logprobs: TopK | None = None,
-) -> bytes:
+@dataclass
+class Sequence:
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: str
+    topk: TopK | None = None  # `topk_sample_logprobs`: at each sampled position
+
+
+@dataclass
+class SampleAnswer:
+    """A `SampleResponse`: the sequences, and what was asked of the prompt."""
+
+    sequences: list[Sequence]
+    prompt_logprobs: list[float] | None = None
+    topk_prompt_logprobs: TopK | None = None
+    target_prompt_logprobs: OutTensor | None = None
+    prompt_alt_tokens: tuple[OutTensor, OutTensor] | None = None  # tokens, logprobs
+
+
+def write_sample_response(answer: SampleAnswer) -> bytes:
     body = b""
-    for seq in sequences:
+    for seq in answer.sequences:
         message = (
             _int(1, STOP_REASON[seq.stop_reason])
             + _len(2, np.asarray(seq.tokens, dtype=np.int32).tobytes())
             + _len(3, np.asarray(seq.logprobs, dtype=np.float32).tobytes())
         )
+        if seq.topk is not None:
+            message += _len(4, _topk(seq.topk))
         body += _len(1, message)
-    if prompt_logprobs is not None:
-        body += _len(2, np.asarray(prompt_logprobs, dtype=np.float32).tobytes())
-    if topk_prompt_logprobs is not None:
-        body += _len(3, _topk(topk_prompt_logprobs))
+    if answer.prompt_logprobs is not None:
+        body += _len(2, np.asarray(answer.prompt_logprobs, dtype=np.float32).tobytes())
+    if answer.topk_prompt_logprobs is not None:
+        body += _len(3, _topk(answer.topk_prompt_logprobs))
+    if answer.target_prompt_logprobs is not None:
+        body += _len(5, _tensor(answer.target_prompt_logprobs))
+    if answer.prompt_alt_tokens is not None:
+        tokens, logprobs = answer.prompt_alt_tokens
+        body += _len(6, _len(1, _tensor(tokens)) + _len(2, _tensor(logprobs)))
     return body

@@ -477,6 +477,7 @@ class ApiKey(_Wire):
 
 class ApiKeyCreated(ApiKey):
     secret: str
+    tinker_api_key: str
 
 
 class AuditEvent(_Wire):
