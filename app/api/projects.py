@@ -143,6 +143,7 @@ async def set_quotas(
     await begin_write(session)
     await quotas.put(session, project_id, body)
     await session.commit()
+    quotas.forget(session, project_id)  # this process applies them at once
     return await quotas.get(session, project_id)
 
 

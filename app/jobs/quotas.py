@@ -10,12 +10,13 @@ the last place; on SQLite the write transaction is the only writer.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, cast
 
-from sqlalchemy import Table, func, or_, select, update
+from sqlalchemy import Connection, Table, func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.db import utcnow
@@ -57,19 +58,58 @@ def _quotas(row: Any) -> Quotas:
     return Quotas(**{quota: getattr(row, column.name) for quota, column in COLUMNS.items()})
 
 
-async def admit(session: AsyncSession, model_name: str, *, now: datetime | None = None) -> None:
-    """Refuse (429) a submission for `model_name` that its project's quotas do not allow.
-    In the caller's write transaction, before the job is inserted."""
+CACHE_SECONDS = 2.0
+"""How long a process trusts what it read of a project's quotas: a quota an admin sets
+applies at once in the process that set it, and within this many seconds in every other
+(as a revoked key is refused, `TRAINYARD_KEY_CACHE_SECONDS`)."""
+MAX_CACHED = 10_000
+_cache: dict[tuple[str, str], tuple[float, ProjectName, Quotas]] = {}
+
+
+def _cache_key(session: AsyncSession, project_id: str) -> tuple[str, str]:
+    bind = session.get_bind()
+    engine = bind.engine if isinstance(bind, Connection) else bind
+    return str(engine.url), project_id
+
+
+async def _read(session: AsyncSession, project_id: str) -> tuple[ProjectName, Quotas] | None:
+    key = _cache_key(session, project_id)
+    hit = _cache.get(key)
+    now = time.monotonic()
+    if hit is not None and now - hit[0] < CACHE_SECONDS:
+        return hit[1], hit[2]
     row = (
         await session.execute(
-            select(projects.c.id, projects.c.name, *COLUMNS.values())
-            .join(models, models.c.project_id == projects.c.id)
-            .where(models.c.name == model_name)
+            select(projects.c.id, projects.c.name, *COLUMNS.values()).where(
+                projects.c.id == project_id
+            )
         )
     ).one_or_none()
     if row is None:
+        return None
+    if len(_cache) >= MAX_CACHED:
+        _cache.clear()
+    _cache[key] = (now, ProjectName(row.id, row.name), _quotas(row))
+    return _cache[key][1], _cache[key][2]
+
+
+def forget(session: AsyncSession, project_id: str) -> None:
+    """Drop this process's read of the project's quotas (they were just set)."""
+    _cache.pop(_cache_key(session, project_id), None)
+
+
+async def admit(session: AsyncSession, model_name: str, *, now: datetime | None = None) -> None:
+    """Refuse (429) a submission for `model_name` that its project's quotas do not allow.
+    In the caller's write transaction, before the job is inserted. A project without
+    submission quotas costs no query here: its model is in the session already (the
+    service looked it up) and its quotas in this process's cache."""
+    model = await session.get(ModelRow, model_name)
+    if model is None:
         return  # no such model: the service answers its own 404
-    quotas = _quotas(row)
+    found = await _read(session, model.project_id)
+    if found is None:
+        return  # a project without a row has no quotas
+    project, quotas = found
     if (
         quotas.queued_jobs is None
         and quotas.submissions_per_minute is None
@@ -80,12 +120,11 @@ async def admit(session: AsyncSession, model_name: str, *, now: datetime | None 
         # Submissions of this project take turns from here to their commit; the counts
         # below are read after the lock, so they include every submission before ours.
         await session.execute(
-            select(projects.c.id).where(projects.c.id == row.id).with_for_update()
+            select(projects.c.id).where(projects.c.id == project.id).with_for_update()
         )
     now = now or utcnow()
-    project = ProjectName(row.id, row.name)
     if quotas.queued_jobs is not None:
-        queued = await _queued(session, row.id)
+        queued = await _queued(session, project.id)
         if queued >= quotas.queued_jobs:
             raise _refused(
                 project,
@@ -95,7 +134,7 @@ async def admit(session: AsyncSession, model_name: str, *, now: datetime | None 
                 QUEUED_RETRY_AFTER,
             )
     if quotas.submissions_per_minute is not None:
-        count, oldest = await _submissions(session, row.id, now)
+        count, oldest = await _submissions(session, project.id, now)
         if count >= quotas.submissions_per_minute:
             wait = (oldest + WINDOW - now).total_seconds() if oldest is not None else 60
             raise _refused(
@@ -106,7 +145,7 @@ async def admit(session: AsyncSession, model_name: str, *, now: datetime | None 
                 wait,
             )
     if quotas.trainer_seconds_per_day is not None:
-        used = await trainer_seconds(session, row.id, now)
+        used = await trainer_seconds(session, project.id, now)
         if used >= quotas.trainer_seconds_per_day:
             midnight = datetime.combine(now.date() + timedelta(days=1), datetime.min.time())
             raise _refused(

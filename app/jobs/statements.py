@@ -38,14 +38,16 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, distinct_on
-from sqlalchemy.sql.dml import ReturningUpdate, Update
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.dml import Insert, ReturningUpdate, Update
+from sqlalchemy.sql.functions import ReturnTypeFromArgs
 from sqlalchemy.sql.selectable import Select
 
 from app.db import utcnow
 from app.jobs import outbox
 from app.jobs.events import database_clock
 from app.jobs.lifecycle import EventType, JobKind, JobStatus
-from app.models import JobEventRow, JobRow, ModelRow, ProjectRow, WorkerRow
+from app.models import DEFAULT_PROJECT_ID, JobEventRow, JobRow, ModelRow, ProjectRow, WorkerRow
 from app.settings import DEFAULT_POOL
 
 RUNNING = JobStatus.running.value
@@ -83,9 +85,12 @@ def fair_place(project: ColumnElement[Any]) -> ColumnElement[int]:
     neither waits behind the other's whole backlog (start-time fair queueing, a job per
     turn)."""
     mine = jobs.alias("mine")
+    # Each one an index's first or last entry (the min/max of a partial index's prefix):
+    # no scan of a project's backlog. A queued run's row counts as any job's (harmless: it
+    # holds no worker); a running one would be stale, so `served` leaves runs out.
     own = (
         select(func.max(mine.c.fair_seq) + 1)
-        .where(mine.c.project_id == project, mine.c.status == QUEUED, mine.c.kind != RUN)
+        .where(mine.c.project_id == project, mine.c.status == QUEUED)
         .scalar_subquery()
     )
     served = (
@@ -93,14 +98,36 @@ def fair_place(project: ColumnElement[Any]) -> ColumnElement[int]:
         .where(mine.c.status == RUNNING, mine.c.kind != RUN)
         .scalar_subquery()
     )
-    head = (
-        select(func.min(mine.c.fair_seq))
-        .where(mine.c.status == QUEUED, mine.c.kind != RUN)
-        .scalar_subquery()
+    head = select(func.min(mine.c.fair_seq)).where(mine.c.status == QUEUED).scalar_subquery()
+    zero = literal(0, Integer)
+    return greatest(func.coalesce(own, zero), func.coalesce(served, head, zero))
+
+
+class greatest(ReturnTypeFromArgs[Any]):
+    """The larger of its arguments: `greatest` on Postgres, the scalar `max` on SQLite."""
+
+    inherit_cache = True
+
+
+@compiles(greatest, "sqlite")
+def _greatest_on_sqlite(element: greatest, compiler: Any, **kw: Any) -> str:
+    return f"max({compiler.process(element.clauses, **kw)})"
+
+
+@functools.cache
+def enqueue_job(columns: tuple[str, ...]) -> Insert:
+    """The insert of a queued job: `columns` as bound parameters of their names, and two
+    the database fills in: its project (its model's: a job a job or a run makes is its
+    parent's project's, as its model is; migration 0014) and its place in the fair order
+    (`fair_place`). Built once: building its subqueries per job cost about a millisecond."""
+    project = func.coalesce(
+        select(models.c.project_id)
+        .where(models.c.name == bindparam("model_name"))
+        .scalar_subquery(),
+        literal(DEFAULT_PROJECT_ID, String),
     )
-    now_serving = func.coalesce(served, head, literal(0, Integer))
-    own_next = func.coalesce(own, literal(0, Integer))
-    return case((own_next > now_serving, own_next), else_=now_serving)
+    values: dict[str, Any] = {name: bindparam(name) for name in columns}
+    return insert(jobs).values(values | {"project_id": project, "fair_seq": fair_place(project)})
 
 
 class Quota(enum.Enum):

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
 from typing import Any, ClassVar, cast
 
-from sqlalchemy import Row, exists, func, insert, select, update
+from sqlalchemy import Row, exists, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 
@@ -51,7 +51,7 @@ from app.jobs.outbox import webhook_type
 from app.jobs.payloads import Payload
 from app.jobs.pools import Capabilities
 from app.jobs.statements import RUNNING, jobs, models, workers
-from app.models import DEFAULT_PROJECT_ID, JobRow
+from app.models import JobRow
 
 log = logging.getLogger(__name__)
 # How long a final write keeps trying while the database is away.
@@ -163,25 +163,15 @@ def _row_values(job: NewJob) -> dict[str, Any]:
         "cancel_requested": False,
         "recovered": False,
         "last_event_seq": 1,  # its first event, job_queued
-        # A job belongs to its model's project (migration 0014): a job a job or a run
-        # makes is its parent's project's, as its model is.
-        "project_id": _project_of(job.model_name),
-        "fair_seq": statements.fair_place(_project_of(job.model_name)),
     }
-
-
-def _project_of(model_name: str) -> Any:
-    return func.coalesce(
-        select(models.c.project_id).where(models.c.name == model_name).scalar_subquery(),
-        DEFAULT_PROJECT_ID,
-    )
 
 
 async def enqueue(executor: Executor, job: NewJob) -> JobRow:
     """Insert a queued job and its `job_queued` event in the caller's transaction; returns
     the row as a read would (no second query). An IntegrityError means its idempotency key
     is taken."""
-    await executor.execute(insert(jobs).values(_row_values(job)))
+    values = _row_values(job)
+    await executor.execute(statements.enqueue_job(tuple(values)), values)
     await add_events(executor, job.id, 1, [(EventType.job_queued, job.queued_event)])
     return JobRow(
         id=job.id,
