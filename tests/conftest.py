@@ -25,6 +25,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
 from app.db import create_engine
+from app.jobs.store import QueueStore, store_for
 from app.main import create_app
 from app.migrate import migrate
 from app.server import config as server_config
@@ -219,6 +220,16 @@ def empty_database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
         run_apart(recreate_postgres(POSTGRES_URL))
         return POSTGRES_URL
     return f"sqlite+aiosqlite:///{tmp_path / 'trainyard.db'}"
+
+
+@pytest.fixture
+async def store(database_url: str) -> AsyncIterator[QueueStore]:
+    """The queue store of `database_url`'s dialect, on an engine of its own."""
+    engine = create_engine(database_url)
+    try:
+        yield store_for(engine)
+    finally:
+        await engine.dispose()
 
 
 @pytest.fixture

@@ -6,36 +6,26 @@ worker's heartbeat."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from datetime import timedelta
 from typing import Any
 
 import pytest
 from sqlalchemy import insert, select, update
 
-from app.db import create_engine, utcnow, write_connection
+from app.db import utcnow, write_connection
 from app.errors import NotFoundError
 from app.jobs import pools
 from app.jobs.lifecycle import JobKind
 from app.jobs.payloads import Payload
 from app.jobs.pools import Capabilities
 from app.jobs.statements import jobs, models, workers
-from app.jobs.store import QueueStore, enqueue, new_job, store_for
+from app.jobs.store import QueueStore, enqueue, new_job
 from app.training import spec
 from tests import factories as f
 from tests.backends import wait_final
 from tests.processes import until
 from trainyard_client import AsyncTrainyard
 from trainyard_client import NotFoundError as MissingError
-
-
-@pytest.fixture
-async def store(database_url: str) -> AsyncIterator[QueueStore]:
-    engine = create_engine(database_url)
-    try:
-        yield store_for(engine)
-    finally:
-        await engine.dispose()
 
 
 def _payload() -> Payload:

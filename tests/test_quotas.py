@@ -7,32 +7,23 @@ from __future__ import annotations
 
 import ast
 import asyncio
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 from sqlalchemy import func, insert, select, update
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.db import create_engine, utcnow, write_connection
 from app.jobs import quotas
-from app.jobs.lifecycle import JobKind, Succeeded
-from app.jobs.statements import jobs, models, projects
-from app.jobs.store import QueueStore, enqueue, new_job, store_for
-from app.training import spec
+from app.jobs.lifecycle import Succeeded
+from app.jobs.statements import jobs, projects
+from app.jobs.store import QueueStore, store_for
 from tests import factories as f
 from tests.test_projects import FRESH, ROOT, bearer, key, project
+from tests.test_store import _job, _model
 
 APP = Path(__file__).resolve().parent.parent / "app"
-
-
-@pytest.fixture
-async def store(database_url: str) -> AsyncIterator[QueueStore]:
-    engine = create_engine(database_url)
-    try:
-        yield store_for(engine)
-    finally:
-        await engine.dispose()
 
 
 async def _project(store: QueueStore, project_id: str, **limits: int | None) -> None:
@@ -40,38 +31,6 @@ async def _project(store: QueueStore, project_id: str, **limits: int | None) -> 
         await conn.execute(
             insert(projects).values(id=project_id, name=project_id, created_at=utcnow(), **limits)
         )
-
-
-async def _model(store: QueueStore, name: str, project_id: str) -> None:
-    async with write_connection(store.engine) as conn:
-        await conn.execute(
-            insert(models).values(
-                name=name,
-                project="p",
-                base_model="tiny/base",
-                backend="dry-run",
-                config={},
-                current_step=0,
-                step_known=True,
-                created_at=utcnow(),
-                updated_at=utcnow(),
-                project_id=project_id,
-            )
-        )
-
-
-async def _job(store: QueueStore, model: str) -> str:
-    job = new_job(
-        JobKind.training,
-        model=model,
-        payload=spec.encode(list(f.art_groups([[1.0, 0.0]]))),
-        summary={"num_groups": 1},
-        request_hash="h",
-        max_attempts=2,
-    )
-    async with write_connection(store.engine) as conn:
-        await enqueue(conn, job)
-    return job.id
 
 
 async def _owners(store: QueueStore, job_ids: list[str]) -> list[str]:
@@ -110,7 +69,7 @@ async def test_a_project_that_queued_100_jobs_does_not_starve_one_that_queued_5(
     # (after the 25 big jobs of free models); in fair order the projects take turns.
     order = await _owners(store, await _claim_one_by_one(store, 10))
     assert order == ["big", "small"] * 5, order
-    assert set(small) <= {c for c in await _claimed(store)}
+    assert set(small) <= set(await _claimed(store))
 
 
 async def _claimed(store: QueueStore) -> list[str]:
@@ -214,11 +173,8 @@ async def test_trainer_seconds_are_clipped_to_the_utc_day(store: QueueStore) -> 
                 .where(jobs.c.id == job_id)
                 .values(status=status, started_at=started, finished_at=finished)
             )
-    async with store.engine.connect() as conn:
-        from sqlalchemy.ext.asyncio import AsyncSession
-
-        async with AsyncSession(bind=conn) as session:
-            used = await quotas.trainer_seconds(session, "p", noon)
+    async with store.engine.connect() as conn, AsyncSession(bind=conn) as session:
+        used = await quotas.trainer_seconds(session, "p", noon)
     assert used == pytest.approx(390.0)
 
 

@@ -3,13 +3,12 @@ whatever the dialect, the same calls leave the same rows and events."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from datetime import timedelta
 
 import pytest
 from sqlalchemy import Interval, func, insert, select, type_coerce, update
 
-from app.db import create_engine, utcnow, write_connection
+from app.db import utcnow, write_connection
 from app.jobs.lifecycle import (
     Cancelled,
     ErrorInfo,
@@ -30,29 +29,19 @@ from app.jobs.store import (
     SqliteStore,
     enqueue,
     new_job,
-    store_for,
 )
-from app.models import JobEventRow
+from app.models import DEFAULT_PROJECT_ID, JobEventRow
 from app.training import spec
 from tests import factories as f
 
 ERROR = ErrorInfo(type="ConnectionError", message="refused", transient=True)
 
 
-@pytest.fixture
-async def store(database_url: str) -> AsyncIterator[QueueStore]:
-    engine = create_engine(database_url)
-    try:
-        yield store_for(engine)
-    finally:
-        await engine.dispose()
-
-
 def _payload() -> Payload:
     return spec.encode([g for g in f.art_groups([[1.0, 0.0]])])
 
 
-async def _model(store: QueueStore, name: str) -> None:
+async def _model(store: QueueStore, name: str, project_id: str = DEFAULT_PROJECT_ID) -> None:
     async with write_connection(store.engine) as conn:
         await conn.execute(
             insert(models).values(
@@ -65,6 +54,7 @@ async def _model(store: QueueStore, name: str) -> None:
                 step_known=True,
                 created_at=utcnow(),
                 updated_at=utcnow(),
+                project_id=project_id,
             )
         )
 

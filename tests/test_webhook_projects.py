@@ -6,69 +6,32 @@ final write has its own CTE), on both dialects."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
-import pytest
-from sqlalchemy import insert, select, update
+from sqlalchemy import select
 
-from app.db import create_engine, utcnow, write_connection
+from app.db import write_connection
 from app.jobs.events import append_event
 from app.jobs.lifecycle import ErrorInfo, EventType, Failed, JobKind, Succeeded
-from app.jobs.outbox import deliveries, endpoints, subscriptions
-from app.jobs.store import QueueStore, cancel_job_now, store_for
-from app.models import DEFAULT_PROJECT_ID, ModelRow
+from app.jobs.outbox import deliveries
+from app.jobs.store import QueueStore, cancel_job_now
+from app.models import DEFAULT_PROJECT_ID
 from tests.conftest import LiveServer
 from tests.factories import model_body, nat_collection
 from tests.processes import until
 from tests.test_projects import FRESH, ROOT, bearer, key, project
 from tests.test_store import _job, _model
 from tests.test_webhooks import JOB_EVENTS, Receiver
+from tests.test_webhooks import _endpoint as endpoint
 
 EVERY = [*JOB_EVENTS, "run.started", "run.cancelled"]
 
 
-@pytest.fixture
-async def store(database_url: str) -> AsyncIterator[QueueStore]:
-    engine = create_engine(database_url)
-    try:
-        yield store_for(engine)
-    finally:
-        await engine.dispose()
-
-
 async def _endpoint(store: QueueStore, project_id: str) -> str:
-    endpoint_id = f"wh_{project_id}_{time.monotonic_ns()}"
-    async with write_connection(store.engine) as conn:
-        await conn.execute(
-            insert(endpoints).values(
-                id=endpoint_id,
-                url="http://127.0.0.1:9/hook",
-                description="",
-                secret="whsec_" + "MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw",
-                event_types=EVERY,
-                enabled=True,
-                created_at=utcnow(),
-                updated_at=utcnow(),
-                project_id=project_id,
-            )
-        )
-        for type_ in EVERY:
-            await conn.execute(
-                insert(subscriptions).values(endpoint_id=endpoint_id, event_type=type_)
-            )
-    return endpoint_id
-
-
-async def _model_of(store: QueueStore, name: str, project_id: str) -> None:
-    await _model(store, name)
-    async with write_connection(store.engine) as conn:
-        await conn.execute(
-            update(ModelRow).where(ModelRow.name == name).values(project_id=project_id)
-        )
+    return await endpoint(store, EVERY, project_id=project_id)
 
 
 async def _delivered(store: QueueStore) -> set[tuple[str, str, str | None]]:
@@ -83,8 +46,8 @@ async def test_a_jobs_events_go_only_to_its_projects_endpoints(store: QueueStore
     each reaches the endpoint of its job's project, never the other's nor the default's."""
     a, b = await _endpoint(store, "proj_a"), await _endpoint(store, "proj_b")
     await _endpoint(store, DEFAULT_PROJECT_ID)
-    await _model_of(store, "ma", "proj_a")
-    await _model_of(store, "mb", "proj_b")
+    await _model(store, "ma", "proj_a")
+    await _model(store, "mb", "proj_b")
     ja, jb = await _job(store, "ma"), await _job(store, "mb")
     claims = await store.claim(owner="w", lease_seconds=30, limit=2)
     lease = {claim.lease.job_id: claim.lease for claim in claims}

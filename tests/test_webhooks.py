@@ -18,11 +18,10 @@ from sqlalchemy import insert, select, update
 from standardwebhooks import Webhook
 from standardwebhooks.webhooks import WebhookVerificationError
 
-from app.db import create_engine, utcnow, write_connection
+from app.db import utcnow, write_connection
 from app.jobs.lifecycle import ErrorInfo, EventType, Failed, JobKind, JobStatus, Succeeded
 from app.jobs.outbox import WebhookEventType, reported, webhook_type
-from app.jobs.store import store_for
-from app.models import JobEventRow
+from app.models import DEFAULT_PROJECT_ID, JobEventRow
 from app.schemas.webhooks import EventTypeName
 from app.webhooks.sender import WebhookSender, new_secret, sign, signatures
 from tests.conftest import LiveServer
@@ -350,19 +349,12 @@ async def test_a_receiver_that_was_down_gets_everything_after_a_restart(
 # -- the outbox, at the store: written with the change, on both dialects -------------------
 
 
-@pytest.fixture
-async def store(database_url: str) -> Any:
-    engine = create_engine(database_url)
-    try:
-        yield store_for(engine)
-    finally:
-        await engine.dispose()
-
-
-async def _endpoint(store: Any, types: list[str], *, enabled: bool = True) -> str:
+async def _endpoint(
+    store: Any, types: list[str], *, enabled: bool = True, project_id: str = DEFAULT_PROJECT_ID
+) -> str:
     from app.jobs.outbox import endpoints, subscriptions
 
-    endpoint_id = f"wh_{len(types)}_{int(enabled)}_{time.monotonic_ns()}"
+    endpoint_id = f"wh_{project_id}_{len(types)}_{int(enabled)}_{time.monotonic_ns()}"
     async with write_connection(store.engine) as conn:
         await conn.execute(
             insert(endpoints).values(
@@ -374,6 +366,7 @@ async def _endpoint(store: Any, types: list[str], *, enabled: bool = True) -> st
                 enabled=enabled,
                 created_at=utcnow(),
                 updated_at=utcnow(),
+                project_id=project_id,
             )
         )
         for type_ in types:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, cast
 
-from sqlalchemy import Connection, Table, func, or_, select, update
+from sqlalchemy import Connection, Table, func, literal, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.db import utcnow
@@ -176,12 +176,7 @@ async def _queued(session: AsyncSession, project_id: str) -> int:
 
 
 async def _running(session: AsyncSession, project_id: str) -> int:
-    query = select(func.count()).where(
-        jobs.c.project_id == project_id,
-        jobs.c.status == JobStatus.running.value,
-        jobs.c.kind != JobKind.run.value,
-    )
-    return int(await session.scalar(query) or 0)
+    return int(await session.scalar(select(statements.running_in(literal(project_id)))) or 0)
 
 
 async def _submissions(

@@ -257,7 +257,7 @@ def claim_query(
     the claiming worker can run (`fits_on_sqlite`, `fits_on_postgres`); `lock_models`: lock
     their models' rows too; `quota`: which projects (`Quota`)."""
     limit = projects.c.max_running_jobs
-    running = running_in(jobs.c.project_id)
+    running = running_in(jobs.c.project_id)  # read only for a project with a quota
     if quota is Quota.UNLIMITED:
         room: ColumnElement[Any] = literal(None, Integer)
     else:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Literal, cast
 
-from sqlalchemy import ColumnElement, Table, and_, func, literal, or_, select
+from sqlalchemy import ColumnElement, Table, func, literal, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.db import utcnow
@@ -94,7 +94,7 @@ async def usage(
     if project_id is not None:
         query = query.where(jobs.c.project_id == project_id)
     if group_by == "run":
-        query = query.where(and_(group.is_not(None)))
+        query = query.where(group.is_not(None))
     totals: dict[str, UsageRow] = {}
     for row in await session.execute(query):
         key = str(row.grp)
