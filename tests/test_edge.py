@@ -447,7 +447,7 @@ async def test_the_dashboard_is_served_strictly_and_loads_nothing_from_elsewhere
         html = await live.client.get("/dashboard/")
         found = re.findall(r"""(?:src|href)=["']([^"'#]+)""", html.text)
         urls = [url for url in found if url != "data:,"]  # the empty icon: no request
-        imported = ["base.js", "chart.js", "compare.js"]  # by app.js
+        imported = ["base.js", "chart.js", "compare.js", "usage.js"]  # by app.js
         assets = {url: await live.client.get(f"/dashboard/{url}") for url in urls + imported}
         etag = assets["app.js"].headers["etag"]
         again = await live.client.get("/dashboard/app.js", headers={"If-None-Match": etag})
