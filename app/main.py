@@ -111,13 +111,23 @@ def create_app(
         max_body_bytes=settings.max_body_bytes,
         timeout_seconds=settings.body_timeout_seconds,
     )
+    # /metrics names every project and model: open only where the operator says so.
     open_paths = {
-        *(route.path for route in health.router.routes if hasattr(route, "path")),
+        *(
+            route.path
+            for route in health.router.routes
+            if hasattr(route, "path") and (route.path != "/metrics" or settings.metrics_public)
+        ),
         *docs.PATHS,
         *dashboard.PATHS,
         app.openapi_url or "/openapi.json",
     }
-    app.add_middleware(edge.ApiKeys, keys=settings.api_keys, open_paths=open_paths)
+    app.add_middleware(
+        edge.ApiKeys,
+        keys=settings.api_keys,
+        open_paths=open_paths,
+        metrics_keys=settings.metrics_keys,
+    )
     app.middleware("http")(app.state.metrics.middleware)
     # A request is matched against the routers in this order, and each router passed costs
     # ~20 µs here: what is called most comes first (probes; the model endpoint, once per

@@ -1,11 +1,15 @@
 """Prometheus metrics: HTTP traffic (middleware), job and webhook delivery counts (read at
-scrape time), and serving saturation: each admission's work per model (`where`: `gateway`,
-or the backend whose endpoint admits it)."""
+scrape time), each project's jobs and seconds (`ProjectCounters`: read from the job event
+log at scrape time, from where the last scrape stopped), and serving saturation: each
+admission's work per model (`where`: `gateway`, or the backend whose endpoint admits it)."""
 
 from __future__ import annotations
 
 import time
+from collections import Counter as Counter_
 from collections.abc import Awaitable, Callable
+from datetime import timedelta
+from typing import Any, cast
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -15,7 +19,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from sqlalchemy import case, func, select
+from sqlalchemy import Table, case, func, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from starlette.requests import Request
 from starlette.responses import Response
@@ -23,10 +27,123 @@ from starlette.responses import Response
 from app.backends.admission import Admission
 from app.db import utcnow
 from app.jobs import pools
-from app.jobs.lifecycle import JobStatus
-from app.models import JobRow, WebhookDeliveryRow, WebhookEndpointRow
+from app.jobs.events import database_clock
+from app.jobs.lifecycle import VOCABULARY, EventType, JobStatus
+from app.models import JobEventRow, JobRow, WebhookDeliveryRow, WebhookEndpointRow
+from app.tenants.usage import ROLLOUT_KINDS, TRAINER_KINDS
 
 DELIVERY_STATUSES = ("pending", "succeeded", "failed")
+job_events = cast(Table, JobEventRow.__table__)
+jobs = cast(Table, JobRow.__table__)
+ENDS = frozenset(
+    {EventType.job_cancelled.value}
+    | {word.value for words in VOCABULARY.values() for word in (words.ended, words.failed)}
+)
+"""The event that ends a job: it is written by the job's final write, once."""
+
+
+class ProjectCounters:
+    """Counters by project that only grow: jobs submitted (by kind), jobs finished (by kind
+    and status), trainer and rollout seconds (as `GET /v1/usage` counts them: a job from
+    its last claim to its end, added when it ends). Read at scrape time from the job event
+    log, past the last event the previous scrape read: a job's first event (its
+    submission) and the event that ends it, joined to the job by its key. A scrape reads
+    at most `BATCH` of them (what is left waits for the next) and never scans the jobs.
+
+    They count from the process's first scrape (a counter's reset, to Prometheus). Every
+    API replica reads the same log: aggregate replicas with `max`, not `sum`. On Postgres
+    an event's id is taken before its transaction commits, so a scrape reads only events
+    `SETTLE_SECONDS` old (a write transaction never lasts that long here): one that
+    commits late is not skipped. SQLite has one writer: ids come in commit order."""
+
+    BATCH = 10_000
+    SETTLE_SECONDS = 5.0
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.submitted = Counter(
+            "trainyard_project_jobs_submitted",
+            "Jobs submitted, by project and kind",
+            ["project", "kind"],
+            registry=registry,
+        )
+        self.finished = Counter(
+            "trainyard_project_jobs_finished",
+            "Jobs that ended, by project, kind and final status",
+            ["project", "kind", "status"],
+            registry=registry,
+        )
+        self.trainer_seconds = Counter(
+            "trainyard_project_trainer_seconds",
+            "Trainer seconds of the training jobs that ended, by project (as GET /v1/usage)",
+            ["project"],
+            registry=registry,
+        )
+        self.rollout_seconds = Counter(
+            "trainyard_project_rollout_seconds",
+            "Rollout seconds of the rollout and evaluation jobs that ended, by project",
+            ["project"],
+            registry=registry,
+        )
+        self.cursor: int | None = None  # the last event read
+
+    async def read(self, session: AsyncSession) -> None:
+        last = select(func.max(job_events.c.id))
+        if self.cursor is None:  # the first scrape: count from here on
+            self.cursor = await session.scalar(last) or 0
+            return
+        window = [job_events.c.id > self.cursor]
+        if session.get_bind().dialect.name == "postgresql":
+            settled = database_clock() - timedelta(seconds=self.SETTLE_SECONDS)
+            window.append(job_events.c.created_at <= settled)
+        rows = (
+            await session.execute(
+                select(
+                    job_events.c.id,
+                    job_events.c.seq,
+                    job_events.c.type,
+                    jobs.c.project_id,
+                    jobs.c.kind,
+                    jobs.c.status,
+                    jobs.c.started_at,
+                    jobs.c.finished_at,
+                )
+                .join(jobs, jobs.c.id == job_events.c.job_id)
+                .where(*window, or_(job_events.c.seq == 1, job_events.c.type.in_(ENDS)))
+                .order_by(job_events.c.id)
+                .limit(self.BATCH)
+            )
+        ).all()
+        self._count(rows)
+        if len(rows) == self.BATCH:
+            self.cursor = rows[-1].id
+        else:  # past the events read and those between them that count nothing
+            self.cursor = max(self.cursor, await session.scalar(last.where(*window)) or 0)
+
+    def _count(self, rows: Any) -> None:
+        """Summed per label set first: a counter's `inc` costs more than the row's read."""
+        submitted: Counter_[tuple[str, str]] = Counter_()
+        finished: Counter_[tuple[str, str, str]] = Counter_()
+        seconds: dict[str, Counter_[str]] = {"trainer": Counter_(), "rollout": Counter_()}
+        for row in rows:
+            if row.seq == 1:
+                submitted[row.project_id, row.kind] += 1
+            if row.type not in ENDS:
+                continue
+            finished[row.project_id, row.kind, row.status] += 1
+            if row.started_at is not None and row.finished_at is not None:
+                took = max(0.0, (row.finished_at - row.started_at).total_seconds())
+                if row.kind in TRAINER_KINDS:
+                    seconds["trainer"][row.project_id] += took
+                elif row.kind in ROLLOUT_KINDS:
+                    seconds["rollout"][row.project_id] += took
+        for labels, n in submitted.items():
+            self.submitted.labels(*labels).inc(n)
+        for ended, n in finished.items():
+            self.finished.labels(*ended).inc(n)
+        for project, took in seconds["trainer"].items():
+            self.trainer_seconds.labels(project).inc(took)
+        for project, took in seconds["rollout"].items():
+            self.rollout_seconds.labels(project).inc(took)
 
 
 class Metrics:
@@ -130,6 +247,7 @@ class Metrics:
             ["pool", "backend"],
             registry=self.registry,
         )
+        self.projects = ProjectCounters(self.registry)
         self.live_workers = Gauge(
             "trainyard_live_workers",
             "Live workers that claim (heartbeating within the lease time, not draining), by "
@@ -179,6 +297,7 @@ class Metrics:
     ) -> tuple[bytes, str]:
         self.serving(admissions or {})
         async with sessions() as session:
+            await self.projects.read(session)
             by_pool = await pools.queue_by_pool(session)
             live = pools.workers_by_pool(
                 await pools.live_workers(session, lease_seconds=lease_seconds)

@@ -69,9 +69,19 @@ class Settings(BaseSettings):
     )
     api_keys: Annotated[list[SecretStr], NoDecode] = Field(
         default_factory=list,
-        description="Comma-separated bearer API keys. Empty: no authentication. Health and "
-        "metrics endpoints and the API docs stay open either way. A value with no key in it "
-        "(`,`, blanks) is refused at start.",
+        description="Comma-separated bearer API keys. Empty: no authentication. Health "
+        "endpoints and the API docs stay open either way (`/metrics`: see "
+        "`metrics_public`). A value with no key in it (`,`, blanks) is refused at start.",
+    )
+    metrics_keys: Annotated[list[SecretStr], NoDecode] = Field(
+        default_factory=list,
+        description="Comma-separated bearer keys that read `/metrics` and nothing else (what "
+        "Prometheus scrapes with). An admin key reads it too.",
+    )
+    metrics_public: bool = Field(
+        default=False,
+        description="Serve `/metrics` without a key. Off: where keys are set, only an admin "
+        "key or a `metrics_keys` key reads it, since its labels name every project and model.",
     )
     key_cache_seconds: float = Field(
         default=2.0,
@@ -403,7 +413,7 @@ class Settings(BaseSettings):
     host: str = Field(default="127.0.0.1", description="Address `trainyard serve` binds.")
     port: int = Field(default=8000, ge=0, le=65535, description="Port `trainyard serve` binds.")
 
-    @field_validator("api_keys", mode="before")
+    @field_validator("api_keys", "metrics_keys", mode="before")
     @classmethod
     def _split_keys(cls, value: object) -> object:
         if isinstance(value, str):

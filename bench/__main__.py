@@ -16,6 +16,7 @@ from bench import (
     queue,
     reads,
     runs,
+    scrape,
     stalls,
     tinker,
     uploads,
@@ -40,6 +41,7 @@ def main() -> None:
     pool.run()
     tinker.run()
     asyncio.run(webhooks_fair.run())
+    scrape.run()
 
 
 if __name__ == "__main__":

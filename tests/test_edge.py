@@ -242,7 +242,6 @@ async def test_a_valid_key_reaches_the_routes(serve) -> None:
 OPEN = [
     "/healthz",
     "/readyz",
-    "/metrics",
     "/openapi.json",
     "/docs",
     "/redoc",
@@ -294,13 +293,13 @@ async def test_every_operation_the_document_protects_needs_the_key(serve) -> Non
                     continue
                 response = await live.client.request(method.upper(), path, content=b"{}")
                 answered[f"{method.upper()} {template}"] = response.status_code
-    assert sorted(unmarked) == ["/healthz", "/metrics", "/readyz"]
+    assert sorted(unmarked) == ["/healthz", "/readyz"]
     assert len(answered) > 40
     assert set(answered.values()) == {401}, answered
 
 
 @pytest.mark.parametrize("path", OPEN)
-async def test_health_metrics_and_docs_stay_open(serve, path) -> None:
+async def test_health_and_docs_stay_open(serve, path) -> None:
     async with serve(api_keys=KEY) as live:
         response = await live.client.get(path)
     assert response.status_code == 200, (path, response.text)
@@ -448,7 +447,7 @@ async def test_the_dashboard_is_served_strictly_and_loads_nothing_from_elsewhere
         html = await live.client.get("/dashboard/")
         found = re.findall(r"""(?:src|href)=["']([^"'#]+)""", html.text)
         urls = [url for url in found if url != "data:,"]  # the empty icon: no request
-        imported = ["base.js", "chart.js", "compare.js"]  # by app.js
+        imported = ["base.js", "chart.js", "compare.js", "usage.js"]  # by app.js
         assets = {url: await live.client.get(f"/dashboard/{url}") for url in urls + imported}
         etag = assets["app.js"].headers["etag"]
         again = await live.client.get("/dashboard/app.js", headers={"If-None-Match": etag})

@@ -150,12 +150,13 @@ async def test_api_keys_guard_the_api_but_not_health(serve) -> None:
         missing = await live.client.get("/v1/models")
         wrong = await live.client.get("/v1/models", headers={"Authorization": "Bearer nope"})
         right = await live.client.get("/v1/models", headers={"Authorization": "Bearer k2"})
-        metrics = await live.client.get("/metrics")
-    assert missing.status_code == wrong.status_code == 401
+        health = await live.client.get("/healthz")
+        metrics = await live.client.get("/metrics")  # names every project: a key's
+        scraped = await live.client.get("/metrics", headers={"Authorization": "Bearer k1"})
+    assert missing.status_code == wrong.status_code == metrics.status_code == 401
     assert missing.headers["content-type"] == "application/problem+json"
     assert missing.headers["www-authenticate"] == "Bearer"
-    assert right.status_code == 200
-    assert metrics.status_code == 200
+    assert right.status_code == health.status_code == scraped.status_code == 200
 
 
 async def test_body_over_the_limit_is_413_problem(serve) -> None:

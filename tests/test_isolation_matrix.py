@@ -54,6 +54,7 @@ ADMIN_ONLY = [
     re.compile(r"^put /v1/projects/\{project_id\}/quotas$"),
     re.compile(r"^\w+ /v1/audit-events"),
     re.compile(r"^(post|put|patch|delete) /v1/workers/"),
+    re.compile(r"^get /metrics$"),  # every project's figures
 ]
 GATEWAY = "/openai/"
 # Every query that names a resource: as a path parameter does.
@@ -95,7 +96,7 @@ def _admin_only(method: str, path: str) -> bool:
 def expected(method: str, path: str, op: dict[str, Any], who: str) -> str | int | None:
     """The rule for one cell; None: not called (an admin key changes only what only an
     admin may: A's own key makes every other change, and a delete happens once)."""
-    if "security" not in op:  # open: /healthz, /readyz, /metrics
+    if "security" not in op:  # open: /healthz, /readyz
         return ALLOWED
     if who in ("no key", "revoked", "expired"):
         return 401

@@ -307,17 +307,25 @@ def test_api_deployment(rendered: dict[str, list[dict[str, Any]]]) -> None:
     (endpoint,) = monitor["spec"]["endpoints"]
     assert endpoint["path"] == "/metrics"
     assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
+    # It scrapes with the metrics key the API reads from the same Secret.
+    token = endpoint["authorization"]["credentials"]
+    assert endpoint["authorization"]["type"] == "Bearer"
+    env = {e["name"]: e for e in api["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["TRAINYARD_METRICS_KEYS"]["valueFrom"]["secretKeyRef"] == token
+    secret = of_kind(objects, "Secret")[token["name"]]
+    assert token["key"] in secret["stringData"]
 
 
 async def test_probed_paths_are_served_open(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The probes and the scrape reach the API without an API key."""
+    """The probes reach the API without an API key; the scrape with its metrics key."""
     import httpx
 
     from app.main import create_app
 
     monkeypatch.setenv("TRAINYARD_API_KEYS", "secret-key")
+    monkeypatch.setenv("TRAINYARD_METRICS_KEYS", "scrape-key")
     settings = Settings(
         database_url=f"sqlite+aiosqlite:///{tmp_path / 'trainyard.db'}",
         data_dir=tmp_path,
@@ -328,8 +336,11 @@ async def test_probed_paths_are_served_open(
         app.router.lifespan_context(app),
         httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client,
     ):
-        for path in ("/healthz", "/readyz", "/metrics"):
+        for path in ("/healthz", "/readyz"):
             assert (await client.get(path)).status_code == 200, path
+        assert (await client.get("/metrics")).status_code == 401
+        scrape = {"Authorization": "Bearer scrape-key"}
+        assert (await client.get("/metrics", headers=scrape)).status_code == 200
         assert (await client.get("/v1/models")).status_code == 401
 
 

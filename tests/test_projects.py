@@ -325,6 +325,43 @@ async def test_every_change_is_audited_without_a_secret(serve, database_url: str
     assert secret not in dump and "root" not in dump and "Bearer" not in dump
 
 
+async def test_reads_sent_as_posts_are_not_audited(serve) -> None:
+    """The Tinker SDK polls `retrieve_future` (and sends keep-alives, its handshake and
+    telemetry) and samples; the gateway samples: none of it changes anything, so none of
+    it is in the audit log. What does change something still is."""
+    tinker = "/tinker/api/v1"
+    hi = {"role": "user", "content": "hi"}
+    async with serve(**FRESH, demo_model=False) as live:
+        c = live.client
+        pid = await project(c, "p")
+        made = await key(c, pid, "write", "sample")
+        mine = bearer(made["secret"])
+        session = await c.post(f"{tinker}/create_session", json={}, headers=mine)
+        assert session.status_code == 200, session.text
+        session_id = session.json()["session_id"]
+        reads = [
+            (f"{tinker}/client/config", {"sdk_version": "0.38.0"}, 200),
+            (f"{tinker}/client/dynamic_config", {}, 200),
+            (f"{tinker}/session_heartbeat", {"session_id": session_id}, 200),
+            (f"{tinker}/retrieve_future", {"request_id": "nope"}, 410),
+            (f"{tinker}/get_info", {"model_id": "nope"}, 404),
+            (f"{tinker}/asample", {"sampling_session_id": "nope"}, 404),
+            (f"{tinker}/telemetry", {"events": []}, 200),
+            ("/openai/v1/chat/completions", {"model": "nope", "messages": [hi]}, 404),
+        ]
+        for path, body, status in reads:
+            for _ in range(3):  # as a client polls
+                answer = await c.post(path, json=body, headers=mine)
+                assert answer.status_code == status, (path, answer.text)
+        created = await c.post("/v1/models", json=model_body("m1"), headers=mine)
+        assert created.status_code == 201, created.text
+        page = (await c.get("/v1/audit-events", params={"project_id": pid}, headers=ROOT)).json()
+        assert [(e["method"], e["route"], e["status"]) for e in page["data"]] == [
+            ("POST", "/v1/models", 201),
+            ("POST", f"{tinker}/create_session", 200),
+        ]
+
+
 async def test_the_retention_sweep_deletes_old_audit_events(serve, database_url: str) -> None:
     engine = create_engine(database_url)
     table = AuditEventRow.__table__

@@ -1,4 +1,5 @@
-"""Liveness, readiness and Prometheus metrics; open even when API keys are set."""
+"""Liveness and readiness, open even when API keys are set; Prometheus metrics, open only
+with TRAINYARD_METRICS_PUBLIC (else an admin key or a TRAINYARD_METRICS_KEYS key)."""
 
 from __future__ import annotations
 
@@ -176,13 +177,15 @@ async def readyz(request: Request) -> Any:
 
 @router.get(
     "/metrics",
-    summary="Prometheus metrics",
+    summary="Prometheus metrics (an admin key or a TRAINYARD_METRICS_KEYS key, unless "
+    "TRAINYARD_METRICS_PUBLIC)",
     response_class=Response,
     responses={
         200: {
             "content": {"text/plain": {"schema": {"type": "string"}}},
             "description": "Prometheus text exposition format",
-        }
+        },
+        **problem_responses(401, 403),
     },
 )
 async def metrics(request: Request) -> Response:

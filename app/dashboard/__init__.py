@@ -18,6 +18,7 @@ TYPES = {
     "base.js": "text/javascript; charset=utf-8",
     "compare.js": "text/javascript; charset=utf-8",
     "chart.js": "text/javascript; charset=utf-8",
+    "usage.js": "text/javascript; charset=utf-8",
     "dashboard.css": "text/css; charset=utf-8",
 }
 PATHS = frozenset({PREFIX, f"{PREFIX}/", *(f"{PREFIX}/{name}" for name in TYPES)})

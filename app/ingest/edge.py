@@ -98,11 +98,33 @@ def _has_body(headers: Headers) -> bool:
     return "transfer-encoding" in headers or (length is not None and length.strip() != "0")
 
 
+METRICS = "/metrics"
+SCRAPER = Principal(key_id=None, project_id=None, scopes=frozenset({"metrics"}))
+"""A key from TRAINYARD_METRICS_KEYS: it reads `/metrics` (unless open) and nothing else."""
 PRINCIPAL = "trainyard.principal"
 """The scope key under which `ApiKeys` leaves the request's `Principal` (`principal_of`)."""
 GATEWAY_PATHS = "/openai/"
 READS = frozenset({"GET", "HEAD"})
 CHANGES = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+READ_ONLY_POSTS = frozenset(
+    {
+        "/openai/v1/chat/completions",
+        *(
+            TINKER_API + name
+            for name in (
+                "client/config",
+                "client/dynamic_config",
+                "session_heartbeat",
+                "get_info",
+                "asample",
+                "retrieve_future",
+                "telemetry",
+            )
+        ),
+    }
+)
+"""POSTs that change nothing (sampling, the Tinker SDK's handshake, polls, keep-alives and
+telemetry, which it discards): left out of the audit log, whose SDK clients poll often."""
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:/+=-]{1,128}$")
 _SMALL_ANSWER = 65536  # an answer read for the created resource's id, at most
 
@@ -119,6 +141,8 @@ def missing_scope(principal: Principal, method: str, path: str) -> str | None:
     if principal.admin:
         return None
     scopes = principal.scopes
+    if path == METRICS:
+        return None if "metrics" in scopes else "admin"
     if path.startswith(GATEWAY_PATHS):
         return None if "sample" in scopes else "sample"
     if path.startswith(TINKER_PATHS):
@@ -145,20 +169,27 @@ class ApiKeys:
     (the server discards what still arrives of it; `trainyard serve` for at most
     TRAINYARD_BODY_TIMEOUT_SECONDS): a key from TRAINYARD_API_KEYS (admin), or a project
     key (`ty_…`, or `tml-ty_…` as the Tinker SDK sends it) looked up by its hash in
-    `app.tenants.keys.KeyBook`'s cache. 401 for no key, an unknown, revoked or expired
-    one; 403 naming the scope the key lacks (the gateway answers both in OpenAI's
-    envelope). Without keys in the setting or the
-    database the service is open. Open: the paths in `open_paths`, exactly.
+    `app.tenants.keys.KeyBook`'s cache, or on `/metrics` alone a key from
+    TRAINYARD_METRICS_KEYS. 401 for no key, an unknown, revoked or expired one; 403 naming
+    the scope the key lacks (the gateway answers both in OpenAI's envelope). Without keys
+    in the setting or the database the service is open. Open: the paths in `open_paths`,
+    exactly.
 
     Every other request gets an `X-Request-ID` (the client's, if sane) in its answer, and
-    one that may change something (POST, PUT, PATCH, DELETE) is recorded in the audit log
-    once answered (`app.tenants.audit`), whatever its answer."""
+    one that may change something (POST, PUT, PATCH, DELETE, but for `READ_ONLY_POSTS`) is
+    recorded in the audit log once answered (`app.tenants.audit`), whatever its answer."""
 
     def __init__(
-        self, app: ASGIApp, *, keys: Sequence[SecretStr], open_paths: Collection[str]
+        self,
+        app: ASGIApp,
+        *,
+        keys: Sequence[SecretStr],
+        open_paths: Collection[str],
+        metrics_keys: Sequence[SecretStr] = (),
     ) -> None:
         self.app = app
         self.keys = list(keys)
+        self.metrics_keys = list(metrics_keys)
         self.open_paths = frozenset(open_paths)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -176,6 +207,8 @@ class ApiKeys:
         try:
             if self.keys and key_matches(self.keys, given):
                 principal = ADMIN
+            elif path == METRICS and self.metrics_keys and key_matches(self.metrics_keys, given):
+                principal = SCRAPER
             elif secret is not None and secret.startswith(SECRET_PREFIX) and tenants is not None:
                 principal = await tenants.keys.principal(secret)
             if (
@@ -200,7 +233,7 @@ class ApiKeys:
         if not REQUEST_ID.match(request_id):
             request_id = "req_" + secrets.token_hex(12)
         method: str = scope["method"]
-        audited = tenants is not None and method in CHANGES
+        audited = tenants is not None and method in CHANGES and path not in READ_ONLY_POSTS
         answer: dict[str, Any] = {"status": 0}
 
         async def send_with_id(message: Message) -> None:

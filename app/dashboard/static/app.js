@@ -7,6 +7,7 @@ import {
 } from "./base.js";
 import { lineChart } from "./chart.js";
 import { comparePage, runPicker } from "./compare.js";
+import { usagePage } from "./usage.js";
 
 const STATUSES = ["queued", "running", "succeeded", "failed", "cancelled"];
 const main = document.getElementById("main");
@@ -360,6 +361,7 @@ async function render() {
     else if (parts[0] === "runs" && parts[1]) page = await runPage(parts[1], controller.signal);
     else if (parts[0] === "tinker" && parts[1]) page = await tinkerPage(parts[1], controller.signal);
     else if (parts[0] === "compare") page = await comparePage(query, controller.signal, failed);
+    else if (parts[0] === "usage") page = await usagePage(query, controller.signal);
     else if (KINDS[parts[0]] && parts[1]) page = await jobPage(parts[0], parts[1], controller.signal);
     else if (KINDS[parts[0]]) page = await listPage(parts[0], query, controller.signal);
     else page = h("p", {}, "No such page. ", link(["runs"], "Runs"));

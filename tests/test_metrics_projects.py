@@ -1,0 +1,110 @@
+"""Per-project counters on `/metrics` (issue 28 §4): jobs submitted and finished, trainer
+seconds, read from the job event log at scrape time; and who may read `/metrics` (its labels
+name every project and model). Over real HTTP, with a real worker, on both dialects."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests import factories as f
+from tests.processes import until
+from tests.test_projects import FRESH, ROOT, bearer, key, project
+
+
+def sample(text: str, name: str, **labels: str) -> float:
+    """The value of one sample of the exposition `text` (0 when it is not there)."""
+    wanted = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    match = re.search(rf"^{re.escape(name)}\{{{re.escape(wanted)}\}} (\S+)$", text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+async def _submit(c, headers, model: str) -> str:
+    made = await c.post(
+        "/v1/training-jobs",
+        json={"model": model, "collection": f.nat_collection()},
+        headers=headers,
+    )
+    assert made.status_code == 202, made.text
+    return str(made.json()["id"])
+
+
+async def test_counters_by_project_grow_as_jobs_end(serve) -> None:
+    async with serve(**FRESH, worker_enabled=True) as live:
+        c = live.client
+        a, b = await project(c, "a"), await project(c, "b")
+        a_write = bearer((await key(c, a, "write"))["secret"])
+        b_write = bearer((await key(c, b, "write"))["secret"])
+        for name, headers in (("a1", a_write), ("b1", b_write)):
+            made = await c.post("/v1/models", json=f.model_body(name), headers=headers)
+            assert made.status_code == 201, made.text
+        slow = f.model_body("b-slow", seconds_per_step=600)
+        assert (await c.post("/v1/models", json=slow, headers=b_write)).status_code == 201
+        before = await _submit(c, a_write, "a1")  # before the first scrape: not counted
+        first = await c.get("/metrics", headers=ROOT)
+        assert first.status_code == 200, first.text
+        assert "trainyard_project_jobs_submitted_total{" not in first.text
+        done = [await _submit(c, a_write, "a1"), await _submit(c, a_write, "a1")]
+        done.append(await _submit(c, b_write, "b1"))
+        stopped = await _submit(c, b_write, "b-slow")
+
+        async def status(job_id: str) -> str:
+            return str((await c.get(f"/v1/training-jobs/{job_id}", headers=ROOT)).json()["status"])
+
+        async def ended() -> bool:
+            return all([await status(job) == "succeeded" for job in [before, *done]])
+
+        await until(ended, what="the jobs to succeed")
+        await until(lambda: _is(status(stopped), "running"), what="the slow job to start")
+        assert (await c.post(f"/v1/training-jobs/{stopped}/cancel", headers=b_write)).is_success
+        await until(lambda: _is(status(stopped), "cancelled"), what="the cancel")
+
+        async def scraped() -> str | None:
+            text = (await c.get("/metrics", headers=ROOT)).text
+            finished = "trainyard_project_jobs_finished_total"
+            cancelled = sample(text, finished, project=b, kind="training", status="cancelled")
+            return text if cancelled == 1 else None
+
+        # Postgres: the events settle first (`ProjectCounters.SETTLE_SECONDS`).
+        text = await until(scraped, what="the cancel counted")
+        submitted = "trainyard_project_jobs_submitted_total"
+        assert sample(text, submitted, project=a, kind="training") == 2
+        assert sample(text, submitted, project=b, kind="training") == 2
+        finished = "trainyard_project_jobs_finished_total"
+        # `before` ended after the first scrape: its end counts, its submission does not.
+        assert sample(text, finished, project=a, kind="training", status="succeeded") == 3
+        assert sample(text, finished, project=b, kind="training", status="succeeded") == 1
+        # Seconds as GET /v1/usage counts them, from the same columns.
+        for pid in (a, b):
+            usage = await c.get("/v1/usage", params={"project_id": pid}, headers=ROOT)
+            seconds = sample(text, "trainyard_project_trainer_seconds_total", project=pid)
+            assert seconds > 0
+            assert seconds == pytest.approx(usage.json()["total"]["trainer_seconds"], abs=0.01)
+        assert sample(text, "trainyard_project_rollout_seconds_total", project=a) == 0
+        # Counters only grow: a scrape with nothing new leaves them as they were.
+        again = (await c.get("/metrics", headers=ROOT)).text
+        assert sample(again, submitted, project=a, kind="training") == 2
+
+
+async def _is(value, expected: str) -> bool:
+    return await value == expected
+
+
+async def test_metrics_need_an_admin_or_a_metrics_key_unless_public(serve) -> None:
+    async with serve(**FRESH, metrics_keys="scrape-token") as live:
+        c = live.client
+        pid = await project(c, "p")
+        reader = bearer((await key(c, pid, "read"))["secret"])
+        scraper = bearer("scrape-token")
+        assert (await c.get("/metrics")).status_code == 401
+        refused = await c.get("/metrics", headers=reader)
+        assert refused.status_code == 403, refused.text
+        assert refused.json()["missing_scope"] == "admin"
+        assert (await c.get("/metrics", headers=ROOT)).status_code == 200
+        assert (await c.get("/metrics", headers=scraper)).status_code == 200
+        # The metrics key reads nothing else.
+        assert (await c.get("/v1/models", headers=scraper)).status_code == 401
+        assert (await c.get("/healthz")).status_code == 200
+    async with serve(**FRESH, metrics_public=True) as live:
+        assert (await live.client.get("/metrics")).status_code == 200
