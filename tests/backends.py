@@ -14,6 +14,7 @@ import httpx
 
 from app.backends.base import report_gradient_step
 from app.backends.dry_run import DryRunBackend
+from tests.processes import PATIENCE
 
 FINAL = {"succeeded", "failed", "cancelled"}
 
@@ -78,7 +79,7 @@ class UnwritableProgressBackend(DryRunBackend):
         return await super().train(model, trajectory_groups, **kwargs)
 
 
-async def wait_final(client: httpx.AsyncClient, job_id: str, timeout: float = 20) -> dict:
+async def wait_final(client: httpx.AsyncClient, job_id: str, timeout: float = PATIENCE) -> dict:
     """Poll a job until it is final (bounded)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
@@ -91,7 +92,7 @@ async def wait_final(client: httpx.AsyncClient, job_id: str, timeout: float = 20
 
 
 async def wait_status(
-    client: httpx.AsyncClient, job_id: str, status: str, timeout: float = 20
+    client: httpx.AsyncClient, job_id: str, status: str, timeout: float = PATIENCE
 ) -> dict:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout

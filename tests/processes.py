@@ -24,6 +24,10 @@ from app.models import JobEventRow, JobRow
 from app.settings import Settings
 
 T = TypeVar("T")
+PATIENCE = 300.0
+"""Seconds a test waits for what must happen eventually (a job to end, a page to show it)
+before it calls it hung: far above the time it takes on a loaded 2-core machine (the stress
+run, README), since it costs nothing while things work."""
 TRAINYARD = str(Path(sys.executable).parent / "trainyard")
 
 
@@ -73,7 +77,7 @@ def stop(process: subprocess.Popen[bytes]) -> None:
 
 
 async def until(
-    condition: Callable[[], Awaitable[T]], timeout: float = 30.0, what: str = "condition"
+    condition: Callable[[], Awaitable[T]], timeout: float = PATIENCE, what: str = "condition"
 ) -> T:
     """Poll `condition` until it returns something truthy (bounded); returns that."""
     loop = asyncio.get_running_loop()

@@ -10,8 +10,10 @@ import contextlib
 import functools
 import json
 import re
+import subprocess
+import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,7 @@ import pytest
 
 from app.settings import Settings
 from tests.hostile import RawServer, Seen, answer, gzip_bomb, head
-from tests.processes import free_port, pieces, start_api, stop, wait_ready
+from tests.processes import PATIENCE, free_port, pieces, start_api, stop, until, wait_ready
 
 pytestmark = [pytest.mark.slow, pytest.mark.any_database, pytest.mark.torch]
 
@@ -28,8 +30,31 @@ KEY = "attack-test-key"
 AUTH = {"authorization": f"Bearer {KEY}"}
 MiB = 1 << 20
 # A stall detector, not the goal: p99 was 22-93 ms inside the full suite; the 200 ms goal
-# (README, Security) is measured by `python -m bench.stalls`.
+# (README, Security) is measured by `python -m bench.stalls`. On a loaded machine every
+# process answers late: the bound grows by CONTROL_FACTOR times the p99 of a control, a
+# trivial server in a process of its own probed the same way at the same time (the stress
+# run, README, had the server's p99 past 2 s with the machine at load 15 on 2 cores).
 P99_BOUND = 2.0
+CONTROL_FACTOR = 10
+CONTROL = """
+import asyncio, sys
+
+async def answer(reader, writer):
+    try:
+        while True:
+            await reader.readuntil(b"\\r\\n\\r\\n")
+            writer.write(b"HTTP/1.1 200 OK\\r\\ncontent-length: 2\\r\\n\\r\\nok")
+            await writer.drain()
+    except (asyncio.IncompleteReadError, ConnectionError):
+        writer.close()
+
+async def main():
+    server = await asyncio.start_server(answer, "127.0.0.1", int(sys.argv[1]))
+    async with server:
+        await server.serve_forever()
+
+asyncio.run(main())
+"""
 ATTACK_RSS_BOUND = 512 * MiB  # over the server's idle RSS, stated in the README
 EXAMPLE = {"id": "q1", "messages": [{"role": "user", "content": "say yes"}], "expected": "yes"}
 
@@ -41,17 +66,26 @@ def _rss(pid: int) -> int:
     return 0
 
 
-class Probe:
-    """`/healthz` every 50 ms on its own connection, and the server's RSS."""
+async def _answers(url: str) -> bool:
+    try:
+        async with httpx.AsyncClient(timeout=5) as client:
+            return (await client.get(f"{url}/healthz")).status_code == 200
+    except httpx.TransportError:
+        return False
 
-    def __init__(self, url: str, pid: int) -> None:
+
+class Probe:
+    """`/healthz` every 50 ms on its own connection, and the server's RSS (`pid`; None:
+    the control's, not read)."""
+
+    def __init__(self, url: str, pid: int | None) -> None:
         self.url, self.pid = url, pid
         self.latencies: list[float] = []
         self.rss: list[int] = []
         self.failures: list[str] = []
 
     async def run(self, stop: asyncio.Event) -> None:
-        async with httpx.AsyncClient(base_url=self.url, timeout=10) as client:
+        async with httpx.AsyncClient(base_url=self.url, timeout=60) as client:
             while not stop.is_set():
                 start = time.perf_counter()
                 try:
@@ -61,7 +95,8 @@ class Probe:
                 except httpx.HTTPError as exc:
                     self.failures.append(f"healthz {type(exc).__name__}")
                 self.latencies.append(time.perf_counter() - start)
-                self.rss.append(_rss(self.pid))
+                if self.pid is not None:
+                    self.rss.append(_rss(self.pid))
                 await asyncio.sleep(0.05)
 
     def p99(self) -> float:
@@ -69,7 +104,9 @@ class Probe:
         return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
 
-async def _finished(client: httpx.AsyncClient, url: str, timeout: float = 60) -> dict[str, Any]:
+async def _finished(
+    client: httpx.AsyncClient, url: str, timeout: float = PATIENCE
+) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while True:
         job = (await client.get(url)).json()
@@ -125,7 +162,7 @@ async def server(make_settings, tmp_path) -> AsyncIterator[tuple[str, int, Path]
             TRAINYARD_BODY_TIMEOUT_SECONDS="2",
             TRAINYARD_HEADER_TIMEOUT_SECONDS="2",
             TRAINYARD_AGENT_MAX_RESPONSE_BYTES=str(8 * MiB),
-            TRAINYARD_LEASE_SECONDS="10",
+            TRAINYARD_LEASE_SECONDS="60",  # no lease lapses on a loaded machine
             TRAINYARD_HEARTBEAT_SECONDS="1",
         )
         try:
@@ -299,32 +336,46 @@ ATTACKS: list[Attack] = [
 ]
 
 
-async def test_the_service_rides_out_every_attack(server, figure) -> None:
+@pytest.fixture
+def control() -> Iterator[str]:
+    """The control: a trivial HTTP server in a process of its own; its URL."""
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-c", CONTROL, str(port)])
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.kill()
+        process.wait()
+
+
+async def test_the_service_rides_out_every_attack(server, control, figure) -> None:
     url, pid, log = server
     port = int(url.rsplit(":", 1)[1])
     idle = _rss(pid)
     large_legal_text()  # built before probing: this process's work is not the server's
-    probe = Probe(url, pid)
+    await until(lambda: _answers(control), what="the control server")
+    probe, beside = Probe(url, pid), Probe(control, None)
     done = asyncio.Event()
-    prober = asyncio.create_task(probe.run(done))
+    probers = [asyncio.create_task(p.run(done)) for p in (probe, beside)]
     try:
         async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=60) as client:
             for attack in ATTACKS:
-                await asyncio.wait_for(attack(client, url, port), 90)
+                await asyncio.wait_for(attack(client, url, port), PATIENCE)
     finally:
         done.set()
-        await prober
+        await asyncio.gather(*probers)
     figure(
         f"{len(probe.latencies)} probes, healthz p99 {probe.p99() * 1000:.1f} ms, "
         f"max {max(probe.latencies) * 1000:.1f} ms; RSS idle {idle / MiB:.0f} MiB, "
-        f"peak {max(probe.rss) / MiB:.0f} MiB"
+        f"peak {max(probe.rss) / MiB:.0f} MiB; control p99 {beside.p99() * 1000:.1f} ms"
     )
     assert probe.failures == []
     assert len(probe.latencies) > 50
     # Inside the full suite this missed 200 ms (208-317 ms) until full collections stopped
     # walking what the test process and the server's training stack hold (conftest.py,
     # app/process.py): the probe's client runs in the test process.
-    assert probe.p99() < P99_BOUND, (probe.p99(), max(probe.latencies))
+    bound = P99_BOUND + CONTROL_FACTOR * beside.p99()
+    assert probe.p99() < bound, (probe.p99(), max(probe.latencies), beside.p99())
     assert max(probe.rss) - idle < ATTACK_RSS_BOUND, (idle, max(probe.rss))
     logged = log.read_text(errors="replace")
     # 503 from /readyz while the model loads is readiness, not an error.

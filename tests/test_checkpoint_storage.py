@@ -370,7 +370,7 @@ async def test_cpu_workers_without_a_shared_disk_train_on_and_serve_each_others_
 
         response = await client.post("/v1/training-jobs", json=body)
         assert response.status_code == 202, response.text
-        job = await wait_final(client, response.json()["id"], timeout=120)
+        job = await wait_final(client, response.json()["id"])
         assert job["status"] == "succeeded", job
         step = int(job["result"]["final_step"])
         where = f"s3://{bucket}/fleet/cpu/tests/models/toy/checkpoints/{step:04d}"

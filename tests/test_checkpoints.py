@@ -62,7 +62,7 @@ async def _train(live: Any, name: str = "toy", **extra: Any) -> dict:
     body = {"model": name, "groups": [group], "hyperparameters": {"learning_rate": 0.05}}
     response = await live.client.post("/v1/training-jobs", json={**body, **extra})
     assert response.status_code == 202, response.text
-    job = await wait_final(live.client, response.json()["id"], timeout=60)
+    job = await wait_final(live.client, response.json()["id"])
     assert job["status"] == "succeeded", job
     return job
 

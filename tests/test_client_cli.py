@@ -27,7 +27,7 @@ import pytest
 
 from tests import factories as f
 from tests.conftest import LiveServer
-from tests.processes import free_port
+from tests.processes import PATIENCE, free_port
 from trainyard_client.cli import (
     EXIT_CANCELLED,
     EXIT_FAILED,
@@ -64,7 +64,7 @@ def _environment(url: str, **extra: str) -> dict[str, str]:
     return env
 
 
-def run_cli(*args: str, url: str, timeout: float = 60, **extra: str) -> Run:
+def run_cli(*args: str, url: str, timeout: float = PATIENCE, **extra: str) -> Run:
     """The CLI with pipes (not a terminal): plain lines, or JSON with --json."""
     done = subprocess.run(
         [CLI, *args],
@@ -76,7 +76,7 @@ def run_cli(*args: str, url: str, timeout: float = 60, **extra: str) -> Run:
     return Run(done.returncode, done.stdout, done.stderr)
 
 
-def run_in_terminal(*args: str, url: str, timeout: float = 60) -> Run:
+def run_in_terminal(*args: str, url: str, timeout: float = PATIENCE) -> Run:
     """The CLI on a pseudo-terminal 120 columns wide; everything it drew, as drawn."""
     leader, follower = pty.openpty()
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))

@@ -28,6 +28,7 @@ from app.backends.tiny_model import make_tiny_model
 from tests import factories as f
 from tests.conftest import LiveServer
 from tests.faulty_proxy import DROP_AFTER, DROP_BEFORE, FORWARD, FaultyProxy, answer, cut_stream
+from tests.processes import PATIENCE
 from trainyard_client import (
     AsyncTrainyard,
     AuthenticationError,
@@ -160,7 +161,7 @@ def _every_operation(url: str, tiny: Path, workdir: Path) -> set[str]:
             model="sdk", collection=f.nat_collection(), metadata={"source": "sdk"}
         )
         assert job.status == "queued" and job.summary.num_groups == 2
-        done = client.training_jobs.wait(job.id, timeout=30)
+        done = client.training_jobs.wait(job.id, timeout=PATIENCE)
         assert done.status == "succeeded", done.error
         assert done.result is not None and done.result.final_step == 1
         listed = client.training_jobs.list(model="sdk", metadata={"source": "sdk"}, limit=5)
@@ -200,10 +201,10 @@ def _every_operation(url: str, tiny: Path, workdir: Path) -> set[str]:
             train={"hyperparameters": {"learning_rate": 0.02}},
             metadata={"source": "sdk"},
         )
-        rolled = client.rollout_jobs.wait(rollout.id, timeout=60)
+        rolled = client.rollout_jobs.wait(rollout.id, timeout=PATIENCE)
         assert rolled.status == "succeeded", rolled.error
         assert rolled.summary.num_graded == 4 and rolled.training_job_id is not None
-        trained = client.training_jobs.wait(rolled.training_job_id, timeout=60)
+        trained = client.training_jobs.wait(rolled.training_job_id, timeout=PATIENCE)
         assert trained.status == "succeeded", trained.error
         exported = workdir / "toy.zip"
         assert client.checkpoints.export("toy", 1, exported, format="zip") > 0
@@ -230,7 +231,7 @@ def _every_operation(url: str, tiny: Path, workdir: Path) -> set[str]:
             )
             for step in (0, 1)
         )
-        evaluated = [client.evaluations.wait(j.id, timeout=60) for j in (before, after)]
+        evaluated = [client.evaluations.wait(j.id, timeout=PATIENCE) for j in (before, after)]
         assert [e.status for e in evaluated] == ["succeeded", "succeeded"], evaluated
         assert [e.summary.step for e in evaluated] == [0, 1]
         answers = client.evaluations.results(after.id, limit=1)
@@ -309,7 +310,7 @@ def _every_operation(url: str, tiny: Path, workdir: Path) -> set[str]:
         assert not client.runs.resume(long.id).paused
         stopping = client.runs.cancel(long.id)  # queued: cancelled now; running: asked to
         assert stopping.status == "cancelled" or stopping.cancel_requested
-        assert client.runs.wait(long.id, timeout=60).status == "cancelled"
+        assert client.runs.wait(long.id, timeout=PATIENCE).status == "cancelled"
 
         assert "toy" in {m["id"] for m in client.gateway.models()["data"]}
         sampled = client.gateway.chat_completions(

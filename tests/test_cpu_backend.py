@@ -109,7 +109,7 @@ async def test_sample_train_and_serve_the_new_step(serve, tiny_model) -> None:
             json={"model": "toy", "groups": groups, "hyperparameters": {"learning_rate": 0.05}},
         )
         assert job.status_code == 202, job.text
-        done = await wait_final(live.client, job.json()["id"], timeout=60)
+        done = await wait_final(live.client, job.json()["id"])
         model = (await live.client.get("/v1/models/toy")).json()
         after = (await sample(model, n=1, **probe))[0]["logprobs"]["content"][0]
         past = await sample_status(model, "toy@0")  # its checkpoint is kept: served
@@ -150,9 +150,7 @@ async def test_rollouts_and_steps_learn_the_rewarded_answer(serve, tiny_model) -
                 },
             )
             assert job.status_code == 202, job.text
-            assert (await wait_final(live.client, job.json()["id"], timeout=60))[
-                "status"
-            ] == "succeeded"
+            assert (await wait_final(live.client, job.json()["id"]))["status"] == "succeeded"
             model = (await live.client.get("/v1/models/learner")).json()
         fresh = await sample(model, n=64, max_tokens=1, temperature=1.0)
     assert means[0] < 0.3, means
@@ -182,8 +180,8 @@ async def test_progress_and_a_step_with_nothing_to_learn(serve, tiny_model) -> N
         ]
         one = await live.client.post("/v1/training-jobs", json={"model": "toy", "groups": varied})
         two = await live.client.post("/v1/training-jobs", json={"model": "toy", "groups": flat})
-        trained = await wait_final(live.client, one.json()["id"], timeout=60)
-        skipped = await wait_final(live.client, two.json()["id"], timeout=60)
+        trained = await wait_final(live.client, one.json()["id"])
+        skipped = await wait_final(live.client, two.json()["id"])
         events = (await live.client.get(f"/v1/training-jobs/{one.json()['id']}/events")).json()
     steps = [
         (e["data"]["step"], e["data"]["total"])

@@ -21,7 +21,7 @@ import pytest
 
 from app.settings import Settings
 from tests import factories as f
-from tests.processes import free_port, start_api, stop, wait_ready
+from tests.processes import PATIENCE, free_port, start_api, stop, wait_ready
 
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
 CHROMIUM = Path("/usr/bin/chromium")
@@ -44,7 +44,7 @@ from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 pytestmark = [pytest.mark.slow, pytest.mark.torch]  # the demo model trains on the cpu backend
 KEY = "dashboard-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-WAIT = 30.0  # seconds for anything the page should show
+WAIT = 120.0  # seconds for anything the page should show (a loaded machine: README)
 
 
 @pytest.fixture(scope="module")
@@ -233,7 +233,7 @@ def test_a_run_page_gains_points_as_steps_land(page, server, tmp_path) -> None:
     wait(page, lambda d: count(d, points) > before, "a point for a landed step")
     # The header is redrawn as events arrive; what a person opened stays open.
     assert count(page, f"{metadata}[open]") == 1
-    wait(page, lambda d: "succeeded" in text(d, "h2 .badge"), "the run to end", timeout=90)
+    wait(page, lambda d: "succeeded" in text(d, "h2 .badge"), "the run to end", timeout=PATIENCE)
     metrics = client.get(f"/v1/runs/{run_id}/metrics?limit=1000").json()["data"]
     steps = [m for m in metrics if m["kind"] == "step"]
     validations = [m for m in metrics if m["kind"] == "validation"]

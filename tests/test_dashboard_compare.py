@@ -13,6 +13,7 @@ import pytest
 from selenium.webdriver.common.by import By
 
 from tests import test_dashboard as dashboard
+from tests.processes import PATIENCE
 from tests.test_dashboard import KEY, _until, click, count, run_body, screenshot, text, wait
 
 # Its fixtures, as this module's own: one server and one browser for this module too.
@@ -173,6 +174,6 @@ def test_a_run_still_going_gains_points_in_the_comparison(page, server, two_runs
     before = count(page, points)
     assert before < 3
     assert client.post(f"/v1/runs/{going}/resume").status_code == 200
-    wait(page, lambda d: count(d, points) == 3, "a point per step as they land", timeout=60)
+    wait(page, lambda d: count(d, points) == 3, "a point per step as they land", timeout=PATIENCE)
     wait(page, lambda d: _row(d, "steps")[1] == "3 of 3", "its steps")
-    wait(page, lambda d: _row(d, "status")[1] == "succeeded", "it ended", timeout=60)
+    wait(page, lambda d: _row(d, "status")[1] == "succeeded", "it ended", timeout=PATIENCE)

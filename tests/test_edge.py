@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from app.errors import PROBLEM_JSON
 from tests import factories as f
 from tests.backends import wait_final
 from tests.conftest import LiveServer
@@ -381,10 +382,17 @@ async def test_head_answers_as_get_without_a_body_on_every_get_route(serve) -> N
             path = re.sub(r"\{(\w+)\}", lambda m: ids.get(m.group(1), "x"), template)
             get = await live.client.get(path)
             head = await live.client.head(path)
-            assert head.status_code == get.status_code, path
             assert head.content == b"", path
+            if path == "/readyz":
+                # Readiness is the moment's (a worker heartbeat late on a loaded machine is
+                # a 503): a HEAD answers as a GET with its own status would.
+                assert head.status_code in (200, 503), path
+                shape = "application/json" if head.status_code == 200 else PROBLEM_JSON
+                assert head.headers["content-type"] == shape, path
+                continue
+            assert head.status_code == get.status_code, path
             assert head.headers["content-type"] == get.headers["content-type"], path
-            if "content-length" in get.headers and path not in ("/metrics", "/readyz"):
+            if "content-length" in get.headers and path != "/metrics":
                 assert head.headers["content-length"] == get.headers["content-length"], path
 
 

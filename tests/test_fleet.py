@@ -285,11 +285,7 @@ async def _run(
                 assert job["waiting_for"] == "no live worker in pool `default`", job
     third = fleet.worker("c", "default")
     workers |= {"g": await _registered(client, gpu), "c": await _registered(client, third)}
-    done = {
-        job_id: await wait_final(client, job_id, timeout=240)
-        for name in JOBS
-        for job_id in jobs[name]
-    }
+    done = {job_id: await wait_final(client, job_id) for name in JOBS for job_id in jobs[name]}
     assert {job_id: job["status"] for job_id, job in done.items()} == dict.fromkeys(
         done, "succeeded"
     )

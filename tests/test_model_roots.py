@@ -132,7 +132,7 @@ async def _failed_job_error(live, base: str, name: str) -> str:
         session.add(ModelRow(name=name, project="tests", base_model=base, backend="cpu"))
         await session.commit()
     job = (await f.submit(live.client, model=name)).json()
-    done = await wait_final(live.client, job["id"], timeout=60)
+    done = await wait_final(live.client, job["id"])
     assert done["status"] == "failed", done
     return str(done["error"]["message"])
 

@@ -66,7 +66,7 @@ async def test_pools_claim_only_what_they_can_run_and_drain(serve) -> None:
             assert (a100_row["pool"], a100_row["labels"]) == ("gpu", {"gpu": "a100"})
             cpu_jobs = [(await f.submit(client, model="cpu-model")).json()["id"] for _ in range(3)]
             for job_id in cpu_jobs:
-                assert (await wait_final(client, job_id, timeout=120))["status"] == "succeeded"
+                assert (await wait_final(client, job_id))["status"] == "succeeded"
             assert await waiting(gpu_job) == (
                 "no live worker in pool `gpu` that runs backend `dry-run` has the labels `gpu=h200`"
             )
@@ -80,7 +80,7 @@ async def test_pools_claim_only_what_they_can_run_and_drain(serve) -> None:
             )
             processes.append(h200)
             h200_row = await registered(h200)
-            assert (await wait_final(client, gpu_job, timeout=180))["status"] == "succeeded"
+            assert (await wait_final(client, gpu_job))["status"] == "succeeded"
 
             claims = {
                 row.job_id: row.data["worker"]

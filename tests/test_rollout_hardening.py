@@ -33,6 +33,7 @@ from app.rollouts import spec as rollout_spec
 from tests import factories
 from tests.conftest import LiveServer
 from tests.hostile import RawServer, Seen, answer, gzip_bomb, head
+from tests.processes import PATIENCE
 from tests.test_egress import MiB, rss
 
 SECRET = "s3cr3t-7c0ffee-header"
@@ -104,7 +105,7 @@ async def submit(live: LiveServer, **body: Any) -> httpx.Response:
     return await live.client.post("/v1/rollout-jobs", json=payload)
 
 
-async def finished(live: LiveServer, job_id: str, timeout: float = 30) -> dict[str, Any]:
+async def finished(live: LiveServer, job_id: str, timeout: float = PATIENCE) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while True:
         job = (await live.client.get(f"/v1/rollout-jobs/{job_id}")).json()
@@ -620,7 +621,7 @@ async def test_agent_and_grader_headers_are_used_and_never_shown(
 
 
 async def finished_training(live: LiveServer, job_id: str) -> dict[str, Any]:
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + PATIENCE
     while True:
         job = (await live.client.get(f"/v1/training-jobs/{job_id}")).json()
         if job["status"] in {"succeeded", "failed", "cancelled"}:

@@ -15,6 +15,7 @@ from fastapi import FastAPI
 from app.backends.tiny_model import make_tiny_model
 from tests import factories as f
 from tests.conftest import LiveServer
+from tests.processes import PATIENCE
 
 pytestmark = pytest.mark.torch
 EXAMPLES = [
@@ -41,7 +42,7 @@ def serve(serve: Callable[..., LiveServer], tiny_model: Path) -> Callable[..., L
     return functools.partial(serve, model_roots=[tiny_model.parent])
 
 
-async def wait_job(client: httpx.AsyncClient, url: str, timeout: float = 60) -> dict:
+async def wait_job(client: httpx.AsyncClient, url: str, timeout: float = PATIENCE) -> dict:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:

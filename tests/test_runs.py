@@ -18,6 +18,7 @@ from fastapi import FastAPI
 from app.backends.tiny_model import make_tiny_model
 from tests.conftest import LiveServer
 from tests.factories import art_groups, submit
+from tests.processes import PATIENCE
 
 pytestmark = pytest.mark.torch
 FINAL = {"succeeded", "failed", "cancelled"}
@@ -66,7 +67,7 @@ async def served(client: httpx.AsyncClient, name: str = "demo") -> dict[str, Any
 
 
 async def wait_run(
-    client: httpx.AsyncClient, run_id: str, timeout: float = 60, until: Any = None
+    client: httpx.AsyncClient, run_id: str, timeout: float = PATIENCE, until: Any = None
 ) -> dict[str, Any]:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout

@@ -43,6 +43,7 @@ from app.backends.dry_run import DryRunBackend
 from app.main import create_app
 from app.settings import Settings
 from tests import factories
+from tests.processes import PATIENCE
 
 ROOT = str(Path(__file__).resolve().parents[1])
 API_KEY = "fuzz-key"
@@ -218,7 +219,7 @@ class Seeded:
 
 
 def _wait(client: httpx.Client, url: str, statuses: set[str]) -> dict[str, Any]:
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + PATIENCE
     while True:
         job = client.get(url).json()
         if job["status"] in statuses:

@@ -130,7 +130,7 @@ async def train_step(live: Any) -> int:
         json={"model": "toy", "groups": groups, "hyperparameters": {"learning_rate": 0.05}},
     )
     assert job.status_code == 202, job.text
-    done = await wait_final(live.client, job.json()["id"], timeout=120)
+    done = await wait_final(live.client, job.json()["id"])
     assert done["status"] == "succeeded", done["error"]
     return int(done["result"]["final_step"])
 

@@ -105,7 +105,7 @@ async def test_sft_raises_the_target_answers_logprob_on_held_out_prompts(
             "num_target_turns": 8,
             "dataset": None,
         }
-        done = await wait_final(live.client, job["id"], timeout=60)
+        done = await wait_final(live.client, job["id"])
         steps = await gradient_steps(live.client, job["id"])
         model = (await live.client.get("/v1/models/sft")).json()
         refused = await live.client.get(f"/v1/training-jobs/{job['id']}/trajectories")
@@ -138,7 +138,7 @@ async def test_sft_reads_examples_from_a_dataset_split(serve, tiny_model) -> Non
             live.client,
             {"model": "ds", "method": "sft", "dataset": {"id": dataset, "split": "sft"}},
         )
-        done = await wait_final(live.client, job["id"], timeout=60)
+        done = await wait_final(live.client, job["id"])
         # The train split holds a line with no assistant turn: refused, naming it.
         bad = await live.client.post(
             "/v1/training-jobs",
@@ -201,7 +201,7 @@ async def test_dpo_raises_the_preference_margin_on_held_out_pairs(
             live.client,
             {"model": "dpo", "method": "dpo", "pairs": pairs, "hyperparameters": hyperparameters},
         )
-        first = await wait_final(live.client, plain["id"], timeout=60)
+        first = await wait_final(live.client, plain["id"])
         nat = await submit(
             live.client,
             {
@@ -211,7 +211,7 @@ async def test_dpo_raises_the_preference_margin_on_held_out_pairs(
                 "hyperparameters": {**hyperparameters, "reference": "base"},
             },
         )
-        second = await wait_final(live.client, nat["id"], timeout=60)
+        second = await wait_final(live.client, nat["id"])
         steps = await gradient_steps(live.client, plain["id"]) + await gradient_steps(
             live.client, nat["id"]
         )
