@@ -13,7 +13,7 @@ import socket
 from collections.abc import Mapping
 
 from sqlalchemy import select
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app import __version__
 from app.backends import SPECS, Backends, load_training_stack, loadable_backends
@@ -29,7 +29,7 @@ from app.models import ModelRow
 from app.notify import Notifier
 from app.rollouts.runner import RUNNER as ROLLOUT
 from app.runs.driver import RunDriver
-from app.runs.schedule import run_of
+from app.runs.schedule import queues_next, run_of
 from app.settings import Settings
 from app.tenants import audit
 from app.training.runner import RUNNER as TRAINING
@@ -202,14 +202,32 @@ class Worker:
                 limit=free,
                 capabilities=self.capabilities,
             )
-            for claim in claims:
-                lease = claim.lease
-                task = asyncio.create_task(self._process(claim), name=f"job:{lease.job_id}")
-                self.tasks[lease.job_id] = (lease, task)
+            self.run_claims(claims)
             started += len(claims)
             if len(claims) < free:
                 break  # nothing else is eligible now
         return started
+
+    def run_claims(self, claims: list[Claim]) -> None:
+        """Run claimed jobs, each in a task of its own."""
+        for claim in claims:
+            lease = claim.lease
+            task = asyncio.create_task(self._process(claim), name=f"job:{lease.job_id}")
+            self.tasks[lease.job_id] = (lease, task)
+
+    async def claim_in(self, conn: AsyncConnection) -> list[Claim]:
+        """Claim in a run's move (`RunDriver.advance`), inside its transaction: the caller
+        holds `_filling`, and starts what this returns once the transaction commits."""
+        free = self.settings.worker_concurrency - len(self.tasks)
+        if free <= 0 or self._stopping.is_set():
+            return []
+        return await self.store.claim_in(
+            conn,
+            owner=self.id,
+            lease_seconds=self.settings.lease_seconds,
+            limit=free,
+            capabilities=self.capabilities,
+        )
 
     async def _process(self, claim: Claim) -> None:
         lease = claim.lease
@@ -224,14 +242,15 @@ class Worker:
             self.tasks.pop(lease.job_id, None)
         # A run's child ended: start its next child now, rather than at the loop's next
         # turn (the loop would, a wake-up later). A rollout child has queued its training
-        # job itself: claim that first; then move the run on (which may queue the next
-        # child) and claim again if it moved.
+        # job itself: claim that first. Then move the run on, claiming whatever child the
+        # move queues in the move's own transaction.
         run_id = run_of(lease.job_id)
         if run_id is not None and not self._stopping.is_set():
             try:
-                await self.fill()
-                if await self.runs.advance(run_id):
+                if queues_next(lease.job_id):
                     await self.fill()
+                async with self._filling:  # `claim_in` counts this worker's free slots
+                    await self.runs.advance(run_id, claimer=self)
             except Exception as exc:
                 if is_unavailable(exc):  # busy or restarting: the loop's next turn does it
                     log.warning("run %s: not advanced after %s: %s", run_id, lease.job_id, exc)

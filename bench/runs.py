@@ -1,17 +1,24 @@
-"""A training run's orchestration overhead.
+"""A training run's orchestration overhead, on SQLite and on Postgres.
 
 measured: a run of 20 steps (4 examples x 8 answers a step, a validation every 5 steps)
 on the cpu backend's tiny model, served by `trainyard serve`'s app with its in-process
-worker over SQLite: the run's wall time, from its start to its end. Baseline: the sum of
-its child jobs' own times (each from its claim to its end), from the same run. The ratio
-is what driving the run costs on top of its work: deciding, writing, waking, claiming.
-(The dry-run backend serves no model to sample, so a run needs the cpu backend.)
+worker: the run's wall time, from its start to its end. Baseline: the sum of its child
+jobs' own times (each from its claim to its end), from the same run. The ratio is what
+driving the run costs on top of its work: deciding, writing, waking, claiming. Where that
+time goes is printed too: the gaps between one child's end and the next one's claim, by
+the kind of hand-over (`r>t`: a rollout's end to its training job's claim, ...), and the
+run's start and end. (The dry-run backend serves no model to sample, so a run needs the
+cpu backend.) Postgres: TRAINYARD_BENCH_POSTGRES_URL, whose `public` schema is dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
+import statistics
 import tempfile
+from collections import defaultdict
+from datetime import datetime
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -24,49 +31,73 @@ from app.main import create_app
 from app.models import JobRow
 from app.settings import Settings
 from bench.common import report
+from bench.queue import POSTGRES, _reset
 
 STEPS = 20
 GOAL = 1.05
 
 
 async def run() -> dict[str, float]:
+    figures: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         base = make_tiny_model(root / "models" / "tiny")
-        settings = Settings(
-            database_url=f"sqlite+aiosqlite:///{root / 'bench.db'}",
-            data_dir=root / "data",
-            model_roots=[base.parent],
-            log_level="warning",
-        )
-        app = create_app(settings)
-        server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
-        )
-        task = asyncio.create_task(server.serve())
-        while not server.started:
-            await asyncio.sleep(0.01)
-        port = server.servers[0].sockets[0].getsockname()[1]
-        try:
-            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
-                figures = await _measure(c, app, str(base))
-        finally:
-            server.should_exit = True
-            await task
-    wall, children, count = figures["wall"], figures["children"], figures["count"]
+        for dialect, url in (
+            ("SQLite", f"sqlite+aiosqlite:///{root / 'bench.db'}"),
+            ("Postgres", POSTGRES),
+        ):
+            ratio = await one(dialect, url, root / dialect, base)
+            figures[f"run_overhead_{dialect.lower()}"] = ratio
+    return figures
+
+
+async def one(dialect: str, url: str, data_dir: Path, base: Path) -> float:
+    """One run on one database; prints its figures and returns its ratio."""
+    await _reset(url)
+    settings = Settings(
+        database_url=url, data_dir=data_dir, model_roots=[base.parent], log_level="warning"
+    )
+    app = create_app(settings)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
+    )
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
+            figures = await _measure(c, app, str(base))
+    finally:
+        server.should_exit = True
+        await task
+    wall, children, count = figures.pop("wall"), figures.pop("children"), figures.pop("count")
     ratio = wall / children
+    gaps = [
+        (f"  gap {name}", f"{1000 * total:.0f} ms ({n:.0f}, median {1000 * median:.1f} ms)")
+        for name, (total, n, median) in sorted(_gaps(figures).items())
+    ]
     report(
-        f"training run: {STEPS} steps on the cpu backend (tiny model), SQLite",
+        f"training run: {STEPS} steps on the cpu backend (tiny model), {dialect}",
         [
             ("baseline: sum of its child jobs' own times", f"{children:.2f} s ({count:.0f} jobs)"),
             ("the run's wall time", f"{wall:.2f} s"),
             ("ratio run / children (orchestration)", f"{ratio:.3f}x (goal <= {GOAL})"),
+            ("the rest, where it goes:", ""),
+            *gaps,
         ],
     )
-    return {"run_overhead": ratio}
+    return ratio
 
 
-async def _measure(client: httpx.AsyncClient, app: Any, base: str) -> dict[str, float]:
+def _gaps(figures: dict[str, Any]) -> dict[str, tuple[float, float, float]]:
+    by: dict[str, list[float]] = defaultdict(list)
+    for name, seconds in figures["gaps"]:
+        by[name].append(seconds)
+    return {name: (sum(s), len(s), statistics.median(s)) for name, s in by.items()}
+
+
+async def _measure(client: httpx.AsyncClient, app: Any, base: str) -> dict[str, Any]:
     body = {"name": "bench", "project": "bench", "base_model": base, "backend": "cpu"}
     assert (await client.post("/v1/models", json=body)).status_code == 201
     for _ in range(600):
@@ -107,13 +138,28 @@ async def _measure(client: httpx.AsyncClient, app: Any, base: str) -> dict[str, 
         ).all()
     assert run is not None and run.status == "succeeded", run and run.error
     assert run.started_at is not None and run.finished_at is not None
-    wall = (run.finished_at - run.started_at).total_seconds()
-    own = sum(
-        (c.finished_at - c.started_at).total_seconds()
+    spans = sorted(
+        (c.started_at, c.finished_at, c.id.rpartition("-")[2][0])
         for c in children
         if c.started_at is not None and c.finished_at is not None
     )
-    return {"wall": wall, "children": own, "count": float(len(children))}
+    return {
+        "wall": (run.finished_at - run.started_at).total_seconds(),
+        "children": sum((end - start).total_seconds() for start, end, _ in spans),
+        "count": float(len(children)),
+        "gaps": _spans_gaps(run.started_at, run.finished_at, spans),
+    }
+
+
+def _spans_gaps(
+    start: datetime, end: datetime, spans: list[tuple[datetime, datetime, str]]
+) -> list[tuple[str, float]]:
+    """The time between the run's start, its children one after another, and its end."""
+    gaps = [("start", (spans[0][0] - start).total_seconds())]
+    for (_, ended, was), (began, _, then) in pairwise(spans):
+        gaps.append((f"{was}>{then}", (began - ended).total_seconds()))
+    gaps.append(("end", (end - spans[-1][1]).total_seconds()))
+    return gaps
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from app.runs.schedule import (
     epoch_order,
     initial_state,
     learning_rate,
+    queues_next,
     run_of,
 )
 
@@ -86,6 +87,11 @@ def test_child_ids_are_the_runs_and_lead_back_to_it() -> None:
     assert run_of(child_id(RUN, "validation", 12)) == RUN
     assert run_of("job_0661b5914c7f371b3abb4591") is None
     assert run_of("job_x-q000001") is None
+    # Only a step's rollout queues the run's next child itself (its training job).
+    assert queues_next(child_id(RUN, "rollout", 3))
+    roles = ("training", "validation", "warmup")
+    assert not any(queues_next(child_id(RUN, role, 3)) for role in roles)
+    assert not queues_next("job_0661b5914c7f371b3abb4591") and not queues_next("job_x-q1")
 
 
 def test_epoch_orders_are_seeded_shuffles() -> None:

@@ -115,6 +115,44 @@ async def test_enqueue_and_claim(store: QueueStore) -> None:
     assert (await _events(store, a1))[-1] == (2, "job_claimed", {"worker": "w1", "attempt": 1})
 
 
+async def test_a_claim_inside_a_write_holds_only_if_it_commits(store: QueueStore) -> None:
+    """`claim_in`: a run's move queues its child and claims it in one transaction."""
+    await _model(store, "a")
+    queued = new_job(
+        JobKind.training,
+        model="a",
+        payload=_payload(),
+        summary={},
+        request_hash="h",
+        max_attempts=2,
+    )
+
+    class Undone(Exception):
+        pass
+
+    with pytest.raises(Undone):  # the child queued and claimed, then the write fails
+        async with write_connection(store.engine) as conn:
+            await enqueue(conn, queued)
+            assert [
+                c.lease.job_id for c in await store.claim_in(conn, owner="w1", lease_seconds=30)
+            ] == [queued.id]
+            raise Undone
+    async with store.engine.connect() as conn:
+        assert (await conn.scalar(select(func.count()).select_from(jobs))) == 0
+    async with write_connection(store.engine) as conn:
+        await enqueue(conn, queued)
+        claims = await store.claim_in(conn, owner="w1", lease_seconds=30, limit=2)
+    assert [c.lease.job_id for c in claims] == [queued.id]
+    row = await _row(store, queued.id)
+    assert (row.status, row.lease_owner, row.lease_token) == (
+        "running",
+        "w1",
+        claims[0].lease.token,
+    )
+    assert [t for _, t, _ in await _events(store, queued.id)] == ["job_queued", "job_claimed"]
+    assert await _claim(store) == []
+
+
 async def test_heartbeat_and_start_record(store: QueueStore) -> None:
     await _model(store, "a")
     job_id = await _job(store, "a")

@@ -11,6 +11,7 @@ matches no row and decides again) and by what the driver saw of the run's job ro
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
 from sqlalchemy import Table, insert, select, update
@@ -34,9 +35,12 @@ async def apply_move(
     version: int,
     seen: tuple[str, bool],
     write: RunWrite,
+    then: Callable[[AsyncConnection], Awaitable[None]] | None = None,
 ) -> bool:
     """Write `write`, planned from the run at `version` whose job row said `seen` (status,
-    cancel requested); False, and nothing written, if either has changed since."""
+    cancel requested); False, and nothing written, if either has changed since. `then`
+    runs last in the same transaction (a worker claims the children just queued: one
+    transaction where a separate claim took a second)."""
     async with write_connection(engine) as conn:
         # The job row first, locked: the routes that change a run (cancel, pause) lock it
         # before the run's row too, so the two never wait on each other.
@@ -86,6 +90,8 @@ async def apply_move(
         for event in write.events:
             await append_event(conn, run_id, event)
         await conn.execute(update(jobs).where(jobs.c.id == run_id).values(_columns(write)))
+        if then is not None:
+            await then(conn)
     return True
 
 

@@ -296,6 +296,19 @@ class QueueStore(ABC):
         `capabilities`: only jobs a worker with them can run (`app.jobs.pools`); None:
         any job."""
 
+    @abstractmethod
+    async def claim_in(
+        self,
+        conn: AsyncConnection,
+        *,
+        owner: str,
+        lease_seconds: float,
+        limit: int = 1,
+        capabilities: Capabilities | None = None,
+    ) -> list[Claim]:
+        """`claim` inside the caller's open write transaction (a run's move claims the
+        children it queues in its own): the claims hold once it commits."""
+
     async def heartbeat(
         self,
         lease: Lease,
@@ -544,6 +557,20 @@ class SqliteStore(QueueStore):
                 continue
         return []
 
+    async def claim_in(
+        self,
+        conn: AsyncConnection,
+        *,
+        owner: str,
+        lease_seconds: float,
+        limit: int = 1,
+        capabilities: Capabilities | None = None,
+    ) -> list[Claim]:
+        # The caller's BEGIN IMMEDIATE holds the file's write lock: no claim can collide.
+        return await self._claim_once(
+            conn, owner=owner, lease_seconds=lease_seconds, limit=limit, capabilities=capabilities
+        )
+
     async def _claim_once(
         self,
         conn: AsyncConnection,
@@ -689,6 +716,30 @@ class PostgresStore(QueueStore):
             return await self._looks(
                 conn, statement, owner, lease_seconds, limit, fit, savepoints=True
             )
+
+    async def claim_in(
+        self,
+        conn: AsyncConnection,
+        *,
+        owner: str,
+        lease_seconds: float,
+        limit: int = 1,
+        capabilities: Capabilities | None = None,
+    ) -> list[Claim]:
+        """Each look in a savepoint, as `claim`'s with quotas. Where a project has a
+        running quota, none: its claim locks the projects first, in its own transaction
+        (the caller's `claim` takes the children then)."""
+        if await self._any_running_quota():
+            return []
+        fit: dict[str, Any] = {}
+        if capabilities is not None:
+            fit = {
+                "w_pool": capabilities.pool,
+                "w_backends": list(capabilities.backends),
+                "w_labels": dict(capabilities.labels),
+            }
+        statement = statements.claim_statement(capabilities is not None, statements.Quota.UNLIMITED)
+        return await self._looks(conn, statement, owner, lease_seconds, limit, fit, savepoints=True)
 
     async def _looks(
         self,

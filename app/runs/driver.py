@@ -22,7 +22,7 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 from sqlalchemy import Table, and_, bindparam, or_, select
 from sqlalchemy.ext.asyncio import AsyncConnection, async_sessionmaker
@@ -35,7 +35,7 @@ from app.jobs.lifecycle import JobKind, JobStatus, NewJob, RunMetric, RunMove, p
 from app.jobs.payloads import Payload
 from app.jobs.runs import apply_move, model_step
 from app.jobs.statements import jobs
-from app.jobs.store import QueueStore, new_job
+from app.jobs.store import Claim, QueueStore, new_job
 from app.models import RunMetricRow, RunRow
 from app.notify import Notifier
 from app.rollouts import spec as rollout_spec
@@ -64,6 +64,15 @@ class Loaded:
     plan: Plan
     train: list[dict[str, Any]]
     validation: list[dict[str, Any]]
+
+
+class Claimer(Protocol):
+    """A worker that claims the children a move queues in the move's own transaction:
+    `claim_in` runs inside it, `run_claims` once it has committed."""
+
+    async def claim_in(self, conn: AsyncConnection) -> list[Claim]: ...
+
+    def run_claims(self, claims: list[Claim]) -> None: ...
 
 
 class RunDriver:
@@ -96,16 +105,18 @@ class RunDriver:
                     log.exception("run %s: advancing it failed; trying again later", run_id)
         return moved
 
-    async def advance(self, run_id: str) -> int:
+    async def advance(self, run_id: str, claimer: Claimer | None = None) -> int:
+        """Move the run on as far as it goes now. `claimer`: whoever advances it claims
+        the children it queues in the same transaction."""
         moves = 0
         for _ in range(MAX_MOVES):
-            moved, again = await self._move(run_id)
+            moved, again = await self._move(run_id, claimer)
             moves += moved
             if not again:
                 break
         return moves
 
-    async def _move(self, run_id: str) -> tuple[bool, bool]:
+    async def _move(self, run_id: str, claimer: Claimer | None = None) -> tuple[bool, bool]:
         """One decision written (moved), and whether another may follow at once (again):
         the run now waits on a child that had already ended (a rollout started early), or
         another driver moved it first."""
@@ -139,13 +150,22 @@ class RunDriver:
         current = run_status(JobStatus(run.status), run.paused)
         write = plan_run(current, move, now=utcnow())
         seen = (run.status, run.cancel_requested)
+        taken: list[Claim] = []
+
+        async def take(conn: AsyncConnection) -> None:
+            assert claimer is not None
+            taken.extend(await claimer.claim_in(conn))
+
+        then = take if claimer is not None and decision.create else None
         written = await apply_move(
-            self.store.engine, run_id, version=run.version, seen=seen, write=write
+            self.store.engine, run_id, version=run.version, seen=seen, write=write, then=then
         )
         if not written:
             return False, True  # another driver moved it: decide again from its state
-        if decision.create:
-            self.notifier.jobs_changed()
+        if claimer is not None and taken:
+            claimer.run_claims(taken)  # committed: they are this worker's now
+        if {child.id for child in write.children} - {c.lease.job_id for c in taken}:
+            self.notifier.jobs_changed()  # a child is left for another worker
         self.notifier.events_appended(run_id)
         for cancelled in decision.cancel:
             self.notifier.events_appended(cancelled)

@@ -44,6 +44,14 @@ def run_of(job_id: str) -> str | None:
     return "run_" + head.removeprefix("job_")
 
 
+def queues_next(job_id: str) -> bool:
+    """Whether a run's child queues the run's next child itself, in its final write: a
+    step's rollout queues its training job (`r` → `t`). After any other child, the driver
+    decides what comes next."""
+    head, dash, tail = job_id.partition("-")
+    return bool(dash) and head.startswith("job_") and tail[:1] == "r"
+
+
 @dataclass(frozen=True)
 class Plan:
     """What a run's spec fixes about its schedule."""
