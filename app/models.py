@@ -205,6 +205,36 @@ class JobRow(Base):
     # Submitted through the API (migration 0015), not made by a run or a rollout: what a
     # project's submissions-per-minute quota counts.
     submitted: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    # What the job used (migration 0016), written by its final write; None: not counted.
+    # Tokens sampled (rollout and evaluation jobs, run validations: the endpoint's `usage`)
+    # and trained (training jobs: what the trainer is handed, `app.training.tokens`).
+    prompt_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    completion_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    trained_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    # The API key that submitted it (migration 0016); None: a key from TRAINYARD_API_KEYS,
+    # no key, or a job that a run or a rollout made.
+    key_id: Mapped[str | None] = mapped_column(String(40))
+
+
+class GatewayUsageRow(Base):
+    """One answered gateway call whose tokens are known (migration 0016): append-only,
+    written in batches off the request (`app.tenants.metering`)."""
+
+    __tablename__ = "gateway_usage"
+    __table_args__ = (
+        Index("ix_gateway_usage_project_created", "project_id", "created_at"),
+        Index("ix_gateway_usage_created", "created_at"),
+    )
+
+    id: Mapped[int] = mapped_column(
+        BigInteger().with_variant(Integer(), "sqlite"), primary_key=True, autoincrement=True
+    )
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    project_id: Mapped[str] = mapped_column(String(40))
+    key_id: Mapped[str | None] = mapped_column(String(40))
+    model: Mapped[str] = mapped_column(String(512))
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger)
 
 
 class RunRow(Base):
@@ -297,6 +327,8 @@ class WebhookEndpointRow(Base):
     rotation (migration 0009) `previous_secret` signs them too, until its expiry."""
 
     __tablename__ = "webhook_endpoints"
+    # A project's endpoints (migration 0016).
+    __table_args__ = (Index("ix_webhook_endpoints_project_id", "project_id"),)
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
     url: Mapped[str] = mapped_column(String(2048))

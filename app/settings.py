@@ -292,11 +292,14 @@ class Settings(BaseSettings):
     )
     prices: dict[str, float] = Field(
         default_factory=dict,
-        description="Prices for the estimated cost in `GET /v1/usage`, as JSON: per "
-        "trainer-hour (training jobs) and per rollout-hour (rollout and evaluation jobs: "
-        "sampling and grading), each for every backend (`trainer_hour`, `rollout_hour`) or "
-        'one backend\'s own (`trainer_hour:cpu`), e.g. `{"trainer_hour": 2.5, '
-        '"trainer_hour:cpu": 0.1, "rollout_hour": 1.2}`. A price not given is 0.',
+        description="Prices for the estimated cost of jobs, runs and `GET /v1/usage`, as "
+        "JSON: per trainer-hour (`trainer_hour`: training jobs), per rollout-hour "
+        "(`rollout_hour`: rollout and evaluation jobs, sampling and grading), per million "
+        "tokens sampled (`sampled_mtok`: prompt and completion tokens) and per million tokens "
+        "trained (`trained_mtok`); each for every model, or for one base model's or one "
+        "backend's (`trainer_hour:cpu`, `sampled_mtok:Qwen/Qwen2.5-7B-Instruct`; a base "
+        'model\'s wins over a backend\'s), e.g. `{"trainer_hour": 2.5, "trainer_hour:cpu": '
+        '0.1, "sampled_mtok": 0.2}`. A price not given is 0.',
     )
     price_currency: str = Field(
         default="USD",
@@ -501,8 +504,8 @@ class Settings(BaseSettings):
             unit, _, backend = name.partition(":")
             if unit not in PRICE_UNITS or (name != unit and not backend):
                 raise ValueError(
-                    f"{name!r}: a price is `trainer_hour` or `rollout_hour`, or one of them "
-                    "with `:<backend>`"
+                    f"{name!r}: a price is `trainer_hour`, `rollout_hour`, `sampled_mtok` or "
+                    "`trained_mtok`, or one of them with `:<backend>` or `:<base model>`"
                 )
             if not math.isfinite(price) or price < 0:
                 raise ValueError(f"{name!r}: a price is a finite number >= 0")
@@ -557,7 +560,7 @@ def parse_checkpoint_url(url: str) -> tuple[Literal["file", "s3"], str, str]:
     )
 
 
-PRICE_UNITS = ("trainer_hour", "rollout_hour")
+PRICE_UNITS = ("trainer_hour", "rollout_hour", "sampled_mtok", "trained_mtok")
 
 
 @lru_cache

@@ -257,6 +257,13 @@ def _every_operation(url: str, tiny: Path, workdir: Path) -> set[str]:
         )
         assert hook.secret.startswith("whsec_") and hook.enabled
         recipe = {"num_generations": 2, "sampling": {"max_tokens": 1}, "grader": CONTAINS}
+        priced = client.runs.estimate(
+            model="toy",
+            dataset={"id": dataset.id},
+            recipe=recipe,
+            schedule={"max_steps": 1, "examples_per_step": 2},
+        )
+        assert (priced.total_steps, priced.samples) == (1, 2 * recipe["num_generations"])
         run = client.runs.create(
             model="toy",
             dataset={"id": dataset.id},
@@ -266,6 +273,10 @@ def _every_operation(url: str, tiny: Path, workdir: Path) -> set[str]:
         steps: list[Progress] = []
         ran = client.runs.wait(run.id, timeout=120, on_progress=steps.append)
         assert ran.status == "succeeded" and ran.progress.step == 1, ran.error
+        # Its rollout's answers and its training step, as their final writes recorded them.
+        assert ran.usage.completion_tokens and ran.usage.prompt_tokens
+        assert ran.usage.trained_tokens and ran.usage.trained_tokens >= ran.usage.completion_tokens
+        assert ran.cost.currency == "USD"
         assert (steps[-1].status, steps[-1].step, steps[-1].total) == ("succeeded", 1, 1)
         assert [r.kind for r in client.runs.metrics(run.id).data] == ["step"]
         settings = client.runs.settings(run.id)

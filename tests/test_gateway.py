@@ -184,6 +184,9 @@ async def test_an_api_replica_relays_a_streamed_answer_from_the_recorded_endpoin
             for word in ("yes", "no"):
                 delta = {"choices": [{"index": 0, "delta": {"content": word}}]}
                 yield f"data: {json.dumps(delta)}\n\n".encode()
+            # What `stream_options: {"include_usage": true}` adds: the stream's usage.
+            usage = {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2}}
+            yield f"data: {json.dumps(usage)}\n\n".encode()
             yield b"data: [DONE]\n\n"
 
         return StreamingResponse(chunks(), media_type="text/event-stream")
@@ -206,6 +209,52 @@ async def test_an_api_replica_relays_a_streamed_answer_from_the_recorded_endpoin
         stream = await client.chat.completions.create(
             model="remote@2", messages=PROMPT, stream=True
         )
-        words = [chunk.choices[0].delta.content async for chunk in stream]
+        words = [chunk.choices[0].delta.content async for chunk in stream if chunk.choices]
+        gateway = await _metered(live.client, {}, calls=1)
     assert words == ["yes", "no"]
+    # Counted once the stream ended, from its last chunks.
+    assert (gateway["prompt_tokens"], gateway["completion_tokens"]) == (5, 2)
     assert seen[0]["model"] == "remote@2" and seen[0]["stream"] is True
+
+
+async def _metered(client, headers: dict, *, calls: int, group_by: str = "kind") -> dict:
+    """The gateway's row of `GET /v1/usage` once `calls` answers are in it (their rows are
+    written in batches after the answers)."""
+    for _ in range(400):
+        used = (
+            await client.get("/v1/usage", params={"group_by": group_by}, headers=headers)
+        ).json()
+        if used["total"]["gateway_calls"] >= calls:
+            break
+        await asyncio.sleep(0.05)
+    rows = [r for r in used["data"] if r["gateway_calls"]]
+    assert len(rows) == 1 and rows[0]["gateway_calls"] == calls, used
+    return dict(rows[0])
+
+
+async def test_gateway_calls_count_for_the_calling_key_and_its_project(serve, tiny_model) -> None:
+    from tests.test_projects import bearer, key, project
+
+    async with serve(
+        worker_enabled=True, api_keys=["root"], key_cache_seconds=0, model_roots=[tiny_model.parent]
+    ) as live:
+        live.client.headers["authorization"] = "Bearer root"
+        mine, other = await project(live.client, "mine"), await project(live.client, "other")
+        sampler = await key(live.client, mine, "write", "read", "sample")
+        headers = bearer(sampler["secret"])
+        response = await live.client.post(
+            "/v1/models",
+            json={"name": "toy", "base_model": str(tiny_model), "backend": "cpu"},
+            headers=headers,
+        )
+        assert response.status_code == 201, response.text
+        client = _client(live.url, sampler["secret"])
+        answers = [await _sample(client, "toy", n=2, temperature=1.0) for _ in range(3)]
+        row = await _metered(live.client, headers, calls=3, group_by="key")
+        theirs = await live.client.get(
+            "/v1/usage", params={"project_id": other}, headers={"Authorization": "Bearer root"}
+        )
+    assert row["group"] == sampler["id"]
+    assert row["prompt_tokens"] == sum(a.usage.prompt_tokens for a in answers)
+    assert row["completion_tokens"] == sum(a.usage.completion_tokens for a in answers)
+    assert theirs.json()["total"]["gateway_calls"] == 0

@@ -624,6 +624,7 @@ def test_no_route_lets_fastapi_read_its_body(tmp_path) -> None:
         "/v1/rollout-jobs",
         "/v1/evaluation-jobs",
         "/v1/runs",
+        "/v1/run-estimates",
         "/v1/datasets",
         "/v1/models/{name}/aliases/{alias}",
         "/v1/models/{name}/retention",

@@ -67,6 +67,7 @@ NAMES_A = {
     "post /v1/rollout-jobs",
     "post /v1/evaluation-jobs",
     "post /v1/runs",
+    "post /v1/run-estimates",
     "post /openai/v1/chat/completions",
 }
 SAY = [{"role": "user", "content": "yes?"}]
@@ -134,6 +135,7 @@ def _body(method: str, path: str, who: str, seed: Seed) -> dict[str, Any]:
             "json": {"model": "a-roll", "examples": EXAMPLES, "grader": {"type": "exact_match"}}
         },
         "post /v1/runs": {"json": _run("a-roll", dataset)},
+        "post /v1/run-estimates": {"json": _run("a-roll", dataset)},
         "post /v1/datasets": {
             "params": {"name": f"made-by-{mark}"},
             "content": DATASET,

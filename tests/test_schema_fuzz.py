@@ -73,6 +73,7 @@ POSITIVE_DATA_ACCEPTANCE_OFF = {
     "models-create",
     "training_jobs-create",
     "rollout_jobs-create",
+    "runs-estimate",
     "webhooks-create",
     "webhooks-update",
     "checkpoints-set_alias",

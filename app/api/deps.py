@@ -17,6 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from app.db import Reader
 from app.errors import ForbiddenError
 from app.ingest.edge import principal_of
+from app.jobs.usage import Pricing
 from app.models import DEFAULT_PROJECT_ID
 from app.schemas.common import NO_NUL
 from app.tenants.keys import Principal
@@ -80,6 +81,12 @@ async def get_caller(request: Request) -> Principal:
 
 Caller = Annotated[Principal, Depends(get_caller)]
 """Who the request is: its key's id, project and scopes."""
+
+
+def pricing(request: Request) -> Pricing:
+    """The price table jobs and runs show their estimated cost by."""
+    settings = request.app.state.settings
+    return Pricing(settings.prices, settings.price_currency)
 
 
 def scoped_key(caller: Principal, key: str | None) -> str | None:

@@ -15,6 +15,7 @@ from app.api.deps import (
     ModelFilter,
     Reads,
     Session,
+    pricing,
     scoped_key,
 )
 from app.api.job_events import add_event_routes
@@ -71,6 +72,7 @@ async def create(
         max_attempts=settings.max_attempts,
         idempotency_key=scoped_key(caller, idempotency_key),
         project_id=caller.sees,
+        key_id=caller.key_id,
     )
     await session.commit()
     if replayed:
@@ -78,7 +80,11 @@ async def create(
     else:
         request.app.state.notifier.jobs_changed()
     response.headers["Location"] = f"/v1/evaluation-jobs/{job.id}"
-    return (await with_waits(request, [service.to_wire(jobs_service.JobView.of(job))]))[0]
+    return (
+        await with_waits(
+            request, [service.to_wire(await jobs_service.view_of(session, job), pricing(request))]
+        )
+    )[0]
 
 
 @router.get(
@@ -108,7 +114,7 @@ async def list_all(
         metadata=jobs_service.metadata_filters(request.query_params.multi_items()),
         project_id=caller.sees,
     )
-    page = jobs_service.page_of(jobs, has_more, service.to_wire)
+    page = jobs_service.page_of(jobs, has_more, service.to_wire, pricing(request))
     page.data = await with_waits(request, page.data)
     return page
 
@@ -132,7 +138,7 @@ async def compare(a: JobRef, b: JobRef, reader: Reads, caller: Caller) -> Evalua
 )
 async def get(job_id: JobId, request: Request, reader: Reads, caller: Caller) -> EvaluationJob:
     view = await jobs_service.read_job(reader, job_id, kind=EVALUATION, project_id=caller.sees)
-    job = service.to_wire(view)
+    job = service.to_wire(view, pricing(request))
     return (await with_waits(request, [job]))[0]
 
 
@@ -179,7 +185,7 @@ async def cancel(
     job = await jobs_service.cancel_job(session, job_id, kind=EVALUATION, project_id=caller.sees)
     await session.commit()
     request.app.state.notifier.events_appended(job.id)
-    return service.to_wire(jobs_service.JobView.of(job))
+    return service.to_wire(await jobs_service.view_of(session, job), pricing(request))
 
 
 add_event_routes(router, EVALUATION)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -27,6 +28,8 @@ from app.errors import format_path
 from app.gateway import PREFIX, Gateway, GatewayError, parse_model, served_names
 from app.ingest import jsontext
 from app.models import ModelRow
+from app.tenants.keys import Principal
+from app.tenants.metering import GatewayMeter, metered, tokens_in
 
 log = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.2
@@ -202,6 +205,21 @@ async def _until_disconnected(request: Request) -> None:
         await asyncio.sleep(DISCONNECT_POLL_S)  # more body: not expected; never a busy loop
 
 
+def _meter(
+    request: Request, caller: Principal, requested: str
+) -> Callable[[tuple[int, int]], Awaitable[None]]:
+    """What records an answer's tokens: for the calling key and its project."""
+    meter: GatewayMeter = request.app.state.tenants.meter
+    model = parse_model(requested)[0]
+
+    async def counted(tokens: tuple[int, int]) -> None:
+        await meter.record(
+            project_id=caller.owner, key_id=caller.key_id, model=model, tokens=tokens
+        )
+
+    return counted
+
+
 @router.post(
     "/chat/completions",
     summary="Chat completions from any served model and step (OpenAI-compatible)",
@@ -239,10 +257,16 @@ async def chat_completions(request: Request, caller: Caller) -> Response:
                 ticket.abandon()
                 return Response(status_code=499)  # nobody reads it
             response = forward.result()
+            counted = _meter(request, caller, body["model"])
             if isinstance(response, StreamingResponse):
                 # Admitted until the stream ends (or its client goes away).
                 response.background = BackgroundTask(ticket.release)
+                response.body_iterator = metered(response.body_iterator, counted)
                 released_later = True
+            elif response.status_code == 200:
+                tokens = tokens_in(bytes(response.body))
+                if tokens is not None:  # recorded after the answer is sent
+                    response.background = BackgroundTask(counted, tokens)
             return response
         finally:
             if not released_later:

@@ -15,6 +15,7 @@ from app.api.deps import (
     ModelFilter,
     Reads,
     Session,
+    pricing,
     scoped_key,
 )
 from app.api.job_events import add_event_routes
@@ -57,6 +58,7 @@ async def create(
         idempotency_key=scoped_key(caller, idempotency_key),
         egress=EgressPolicy.from_settings(settings),
         project_id=caller.sees,
+        key_id=caller.key_id,
     )
     await session.commit()
     if replayed:
@@ -64,7 +66,11 @@ async def create(
     else:
         request.app.state.notifier.jobs_changed()
     response.headers["Location"] = f"/v1/rollout-jobs/{job.id}"
-    return (await with_waits(request, [service.to_wire(jobs_service.JobView.of(job))]))[0]
+    return (
+        await with_waits(
+            request, [service.to_wire(await jobs_service.view_of(session, job), pricing(request))]
+        )
+    )[0]
 
 
 @router.get(
@@ -94,7 +100,7 @@ async def list_all(
         metadata=jobs_service.metadata_filters(request.query_params.multi_items()),
         project_id=caller.sees,
     )
-    page = jobs_service.page_of(jobs, has_more, service.to_wire)
+    page = jobs_service.page_of(jobs, has_more, service.to_wire, pricing(request))
     page.data = await with_waits(request, page.data)
     return page
 
@@ -107,7 +113,7 @@ async def list_all(
 )
 async def get(job_id: JobId, request: Request, reader: Reads, caller: Caller) -> RolloutJob:
     view = await jobs_service.read_job(reader, job_id, kind=ROLLOUT, project_id=caller.sees)
-    job = service.to_wire(view)
+    job = service.to_wire(view, pricing(request))
     return (await with_waits(request, [job]))[0]
 
 
@@ -121,7 +127,7 @@ async def cancel(job_id: JobId, request: Request, session: Session, caller: Call
     job = await jobs_service.cancel_job(session, job_id, kind=ROLLOUT, project_id=caller.sees)
     await session.commit()
     request.app.state.notifier.events_appended(job.id)
-    return service.to_wire(jobs_service.JobView.of(job))
+    return service.to_wire(await jobs_service.view_of(session, job), pricing(request))
 
 
 @router.get(

@@ -16,16 +16,23 @@ from app.api.deps import (
     ModelFilter,
     Reads,
     Session,
+    pricing,
     scoped_key,
 )
 from app.api.job_events import add_event_routes
 from app.jobs import service as jobs_service
 from app.jobs.lifecycle import JobKind, JobStatus
+from app.models import JobRow, RunRow
+from app.runs import estimate as estimating
 from app.runs import service
 from app.schemas.common import Page, problem_responses
-from app.schemas.runs import RUN_PIECES, Run, RunCreate, RunMetric, RunSettings
+from app.schemas.runs import RUN_PIECES, Run, RunCreate, RunEstimate, RunMetric, RunSettings
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"], responses=problem_responses(401))
+# A path of its own: under /v1/runs it would be a run id's too (`GET /v1/runs/{run_id}`).
+estimates_router = APIRouter(
+    prefix="/v1/run-estimates", tags=["runs"], responses=problem_responses(401)
+)
 RUN = JobKind.run
 READING = Reading(RunCreate, service.prepare, RUN_PIECES)
 
@@ -51,6 +58,7 @@ async def create(
         idempotency_key=scoped_key(caller, idempotency_key),
         settings=request.app.state.settings,
         project_id=caller.sees,
+        key_id=caller.key_id,
     )
     await session.commit()
     if replayed:
@@ -58,7 +66,31 @@ async def create(
     else:
         request.app.state.notifier.jobs_changed()
     response.headers["Location"] = f"/v1/runs/{job.id}"
-    return service.to_wire(*await service.get_run(session, job.id))
+    return await _one(session, await service.get_run(session, job.id), request)
+
+
+@estimates_router.post(
+    "",
+    name="estimate",
+    response_model=RunEstimate,
+    summary="Price a run before it starts: a dry run of `POST /v1/runs`, storing nothing",
+    description="The body of `POST /v1/runs`, checked exactly as it would be there (every "
+    "problem a 4xx naming its field, a full queue a 429); nothing is stored, and the "
+    "answer is the run's estimated usage and cost.",
+    responses=problem_responses(409, 413, 422, 429),
+    openapi_extra=json_body(RunCreate),
+)
+async def estimate(request: Request, session: Session, caller: Caller) -> RunEstimate:
+    try:
+        return await estimating.dry_run(
+            session,
+            job=await read_json(request, READING),
+            settings=request.app.state.settings,
+            pricing=pricing(request),
+            project_id=caller.sees,
+        )
+    finally:
+        await session.rollback()
 
 
 @router.get(
@@ -69,6 +101,7 @@ async def create(
     responses=problem_responses(422),
 )
 async def list_all(
+    request: Request,
     reader: Reads,
     caller: Caller,
     status: Annotated[JobStatus | None, Query(description="Only runs in this status.")] = None,
@@ -80,15 +113,21 @@ async def list_all(
         reader, status=status, model=model, after=after, limit=limit, project_id=caller.sees
     )
     return Page(
-        data=[service.to_wire(job, run) for job, run in rows],
+        data=await service.wired(reader.all, rows, pricing(request)),
         has_more=has_more,
         next_cursor=rows[-1][0].id if has_more and rows else None,
     )
 
 
 @router.get("/{run_id}", response_model=Run, summary="Get a run", responses=problem_responses(404))
-async def get(run_id: JobId, reader: Reads, caller: Caller) -> Run:
-    return service.to_wire(*await service.read_run(reader, run_id, caller.sees))
+async def get(run_id: JobId, request: Request, reader: Reads, caller: Caller) -> Run:
+    found = await service.read_run(reader, run_id, caller.sees)
+    return (await service.wired(reader.all, [found], pricing(request)))[0]
+
+
+async def _one(session: Session, found: tuple[JobRow, RunRow], request: Request) -> Run:
+    read = service.session_read(session)
+    return (await service.wired(read, [found], pricing(request)))[0]
 
 
 async def _set_paused(
@@ -98,7 +137,7 @@ async def _set_paused(
     await session.commit()
     request.app.state.notifier.events_appended(run_id)
     request.app.state.notifier.jobs_changed()
-    return service.to_wire(job, run)
+    return await _one(session, (job, run), request)
 
 
 @router.post(
@@ -132,7 +171,7 @@ async def cancel(run_id: JobId, request: Request, session: Session, caller: Call
     await session.commit()
     request.app.state.notifier.events_appended(run_id)
     request.app.state.notifier.jobs_changed()
-    return service.to_wire(*await service.get_run(session, run_id))
+    return await _one(session, await service.get_run(session, run_id), request)
 
 
 @router.get(

@@ -15,6 +15,7 @@ from app.api.deps import (
     ModelFilter,
     Reads,
     Session,
+    pricing,
     scoped_key,
 )
 from app.api.job_events import add_event_routes
@@ -78,6 +79,7 @@ async def create(
         idempotency_key=scoped_key(caller, idempotency_key),
         max_attempts=request.app.state.settings.max_attempts,
         project_id=caller.sees,
+        key_id=caller.key_id,
     )
     await session.commit()
     if not replayed:
@@ -86,7 +88,11 @@ async def create(
     else:
         response.headers["Idempotent-Replayed"] = "true"
     response.headers["Location"] = f"/v1/training-jobs/{job.id}"
-    return (await with_waits(request, [service.to_wire(jobs.JobView.of(job))]))[0]
+    return (
+        await with_waits(
+            request, [service.to_wire(await jobs.view_of(session, job), pricing(request))]
+        )
+    )[0]
 
 
 @router.get(
@@ -116,7 +122,7 @@ async def list_all(
         metadata=jobs.metadata_filters(request.query_params.multi_items()),
         project_id=caller.sees,
     )
-    page = jobs.page_of(rows, has_more, service.to_wire)
+    page = jobs.page_of(rows, has_more, service.to_wire, pricing(request))
     page.data = await with_waits(request, page.data)
     return page
 
@@ -129,7 +135,7 @@ async def list_all(
 )
 async def get(job_id: JobId, request: Request, reader: Reads, caller: Caller) -> TrainingJob:
     view = await jobs.read_job(reader, job_id, kind=TRAINING, project_id=caller.sees)
-    job = service.to_wire(view)
+    job = service.to_wire(view, pricing(request))
     return (await with_waits(request, [job]))[0]
 
 
@@ -143,7 +149,7 @@ async def cancel(job_id: JobId, request: Request, session: Session, caller: Call
     job = await jobs.cancel_job(session, job_id, kind=TRAINING, project_id=caller.sees)
     await session.commit()
     request.app.state.notifier.events_appended(job.id)
-    return service.to_wire(jobs.JobView.of(job))
+    return service.to_wire(await jobs.view_of(session, job), pricing(request))
 
 
 @router.get(

@@ -1,4 +1,4 @@
-"""What a project used, and its estimated cost (issue 28 §4: seconds; tokens not yet)."""
+"""What a project used, and its estimated cost (issue 28 §4)."""
 
 from __future__ import annotations
 
@@ -23,13 +23,15 @@ DEFAULT_DAYS = 30
     "",
     name="get",
     response_model=Usage,
-    summary="What the key's project used (an admin: every project, or `project_id`'s): "
-    "trainer and rollout seconds of the jobs that started in [`from`, `to`), grouped, with "
-    "their estimated cost",
-    description="Each job counts from its last claim to its end (or to now while it runs), "
-    "on the UTC day it started. `from` defaults to 30 days before `to`, `to` to now (a "
-    "`from` at or after `to`: an empty window). Tokens sampled and trained are not counted "
-    "yet.",
+    summary="What the key's project used (an admin: every project, or `project_id`'s) in "
+    "[`from`, `to`): trainer and rollout seconds, tokens sampled and trained, gateway calls, "
+    "grouped, with their estimated cost",
+    description="A job counts the seconds it ran within the window (from its last claim to "
+    "its end, or to now while it runs), on the UTC day it started (or `from`), and its "
+    "tokens if it ended in the window; a gateway call counts on the day it was answered, "
+    "for the calling key's project. group_by=model adds the bytes each model's checkpoints "
+    "take now. `from` defaults to 30 days before `to`, `to` to now (a `from` at or after "
+    "`to`: an empty window).",
     responses=problem_responses(404, 422),
 )
 async def get(
@@ -40,7 +42,7 @@ async def get(
         str | None, Query(alias="from", **TIME, description="At or after this time.")
     ] = None,
     until: Annotated[str | None, Query(alias="to", **TIME, description="Before this time.")] = None,
-    group_by: Literal["day", "model", "run", "kind"] = "day",
+    group_by: Literal["day", "model", "run", "kind", "key"] = "day",
     project_id: Annotated[
         str | None,
         Query(pattern=NO_NUL, max_length=40, description="An admin's choice of project."),
@@ -54,6 +56,7 @@ async def get(
     return await ledger.usage(
         session,
         request.app.state.settings,
+        request.app.state.backends,
         since=start,
         until=end,
         group_by=group_by,

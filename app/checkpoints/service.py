@@ -368,6 +368,18 @@ def _stats(place: Place, on_disk: dict[int, Path], page: list[int]) -> dict[int,
         return dict(zip(page, pool.map(lambda s: place.stat(s, on_disk[s]), page), strict=True))
 
 
+async def bytes_kept(row: ModelRow, backends: Backends) -> int | None:
+    """The bytes the model's checkpoints take now (`GET /v1/usage`); None: this process
+    cannot read them (its backend keeps none here, or is away)."""
+    try:
+        place = _place(row, backends)
+        on_disk = await place.steps()
+        stats = await asyncio.to_thread(_stats, place, on_disk, sorted(on_disk))
+    except (NoLocalCheckpointsError, UnavailableError, BackendError, OSError):
+        return None
+    return sum(stat.size_bytes for stat in stats.values() if stat is not None)
+
+
 async def list_checkpoints(
     session: AsyncSession, backends: Backends, *, name: str, after: int | None, limit: int
 ) -> tuple[list[Checkpoint], str | None]:

@@ -31,7 +31,7 @@ from app.jobs.supervise import (
     started_event,
     supervise,
 )
-from app.rollouts.sampling import SamplingClient, SamplingError
+from app.rollouts.sampling import SamplingClient, SamplingError, tokens_of
 from app.schemas.rollouts import Example
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ async def run(claim: Claim, ctx: RunContext) -> None:
         name=f"evaluation:{lease.job_id}",
     )
     try:
-        outcome = await _outcome(claim, work, progress, ctx)
+        outcome = await _outcome(claim, work, progress, ctx, sink.tokens)
     finally:
         if not work.done():
             work.cancel()
@@ -82,7 +82,11 @@ async def run(claim: Claim, ctx: RunContext) -> None:
 
 
 async def _outcome(
-    claim: Claim, work: asyncio.Task[None], progress: Progress, ctx: RunContext
+    claim: Claim,
+    work: asyncio.Task[None],
+    progress: Progress,
+    ctx: RunContext,
+    tokens: dict[str, int],
 ) -> Outcome | None:
     try:
         supervised = await supervise(work, claim.lease, progress, ctx)
@@ -104,6 +108,8 @@ async def _outcome(
             "metrics": summed,
             "progress_step": progress.step,
             "progress_total": progress.total,
+            "prompt_tokens": tokens["prompt_tokens"],
+            "completion_tokens": tokens["completion_tokens"],
         },
     )
 
@@ -127,6 +133,11 @@ class _Sink:
     job_id: str
     rows: list[dict[str, Any]] = field(default_factory=list)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Tokens this attempt sampled (a retry goes on from the examples not yet complete:
+    # what an earlier attempt sampled is not counted).
+    tokens: dict[str, int] = field(
+        default_factory=lambda: {"prompt_tokens": 0, "completion_tokens": 0}
+    )
 
     async def add(self, rows: list[dict[str, Any]]) -> None:
         self.rows += rows
@@ -173,7 +184,9 @@ async def _evaluate(
     ):
 
         async def one(index: int, example: Example) -> None:
-            rows = await _example(recipe, index, example, inference, sampler, egress, grading)
+            rows = await _example(
+                recipe, index, example, inference, sampler, egress, grading, sink.tokens
+            )
             advance(rows)
             await sink.add(rows)
 
@@ -209,8 +222,10 @@ async def _example(
     sampler: SamplingClient,
     egress: EgressClient,
     grading: asyncio.Semaphore,
+    tokens: dict[str, int],
 ) -> list[dict[str, Any]]:
-    """The example's answers as rows: sampled in one request, each scored."""
+    """The example's answers as rows: sampled in one request, each scored; `tokens`
+    gains what the request sampled."""
     samples = recipe.samples_per_example
     request: dict[str, Any] = {
         "model": inference.model_name,
@@ -224,6 +239,9 @@ async def _example(
         if exc.transient:
             raise  # the endpoint is away: retry the job later, from here
         return [_row(index, example, s, error=f"sampling: {exc}") for s in range(samples)]
+    prompt, completion = tokens_of(response)
+    tokens["prompt_tokens"] += prompt
+    tokens["completion_tokens"] += completion
     choices = response.get("choices")
     choices = choices if isinstance(choices, list) else []
     example_json = example.model_dump(mode="json")

@@ -22,6 +22,7 @@ from app.gateway import LATEST, MAX_STEP
 from app.jobs.lifecycle import JobKind
 from app.jobs.service import JobView, enqueue_once, job_fields, replay
 from app.jobs.store import new_job
+from app.jobs.usage import Pricing
 from app.models import DatasetRow, JobRow, ModelRow
 from app.schemas.checkpoints import ALIAS_PATTERN
 from app.schemas.evaluations import EvaluationJob, EvaluationJobCreate, EvaluationSummary
@@ -167,6 +168,7 @@ async def create_evaluation_job(
     max_attempts: int,
     idempotency_key: str | None = None,
     project_id: str | None = None,
+    key_id: str | None = None,
 ) -> tuple[JobRow, bool]:
     """Store an evaluation job; (job, replayed). The model's step is resolved now. With
     `project_id` (a key that is not admin), only that project's models and datasets."""
@@ -226,11 +228,11 @@ async def create_evaluation_job(
         idempotency_key=idempotency_key,
         queued_event={"step": step},
     )
-    return await enqueue_once(session, new, idempotency_key)
+    return await enqueue_once(session, new, idempotency_key, key_id)
 
 
-def to_wire(job: JobView) -> EvaluationJob:
+def to_wire(job: JobView, pricing: Pricing) -> EvaluationJob:
     return EvaluationJob(
-        **job_fields(job),
+        **job_fields(job, pricing),
         summary=EvaluationSummary.model_validate({**job.summary, **(job.metrics or {})}),
     )

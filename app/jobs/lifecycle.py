@@ -185,6 +185,10 @@ class JobUpdate(TypedDict, total=False):
     output_bytes: int | None
     next_job_id: str | None
     finished_at: datetime | None
+    # What the job used (migration 0016): tokens sampled, tokens trained.
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    trained_tokens: int | None
 
 
 class ModelUpdate(TypedDict, total=False):
@@ -284,6 +288,7 @@ class NewJob:
     max_steps_off_policy: int | None = None
     queued_event: dict[str, Any] = field(default_factory=dict)
     submitted: bool = False  # through the API (`app.jobs.service.enqueue_once`)
+    key_id: str | None = None  # the API key that submitted it (`enqueue_once`)
 
 
 # -- rules ----------------------------------------------------------------------------------

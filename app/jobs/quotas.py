@@ -194,21 +194,23 @@ async def _submissions(
 
 async def trainer_seconds(session: AsyncSession, project_id: str, now: datetime) -> float:
     """Seconds the project's training jobs ran in the UTC day of `now`: each from its last
-    claim (`started_at`) to its end, or to now while it runs, clipped to the day."""
+    claim (`started_at`) to its end, or to now while it runs, clipped to the day (the one
+    expression `GET /v1/usage` sums too: `statements.ran_within`)."""
     day = now.replace(hour=0, minute=0, second=0, microsecond=0)
-    query = select(jobs.c.started_at, jobs.c.finished_at).where(
+    at = jobs.c.started_at.type
+    query = select(
+        func.coalesce(
+            func.sum(statements.ran_within(literal(day, at), literal(now, at), literal(now, at))),
+            0.0,
+        )
+    ).where(
         jobs.c.project_id == project_id,
         jobs.c.kind == JobKind.training.value,
         jobs.c.started_at.is_not(None),
+        jobs.c.started_at < now,
         or_(jobs.c.status == JobStatus.running.value, jobs.c.finished_at >= day),
     )
-    total = 0.0
-    for started, finished in await session.execute(query):
-        end = now if finished is None or finished > now else finished
-        begin = max(started, day)
-        if end > begin:
-            total += (end - begin).total_seconds()
-    return total
+    return max(0.0, float(await session.scalar(query) or 0.0))
 
 
 async def get(session: AsyncSession, project_id: str) -> ProjectQuotas:

@@ -17,9 +17,11 @@ from app.errors import ConflictError, InvalidInputError, NotFoundError, field_er
 from app.jobs import quotas
 from app.jobs.lifecycle import JobKind, JobStatus, NewJob
 from app.jobs.store import enqueue, request_cancel
-from app.models import JobRow
+from app.jobs.usage import Pricing, job_usage
+from app.models import JobRow, ModelRow
 from app.schemas.common import Page
 from app.schemas.jobs import JobError, JobProgress
+from app.schemas.usage import JobUsage
 
 T = TypeVar("T")
 
@@ -88,15 +90,47 @@ class JobView:
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    trained_tokens: int | None
+    # The model's, which its prices follow (`app.jobs.usage.Pricing`): not the job's columns.
+    backend: str | None = None
+    base_model: str | None = None
 
     @classmethod
-    def of(cls, job: JobRow) -> JobView:
-        return cls(*(getattr(job, name) for name in _VIEW_FIELDS))
+    def of(cls, job: JobRow, model: ModelRow | None = None) -> JobView:
+        view = cls(*(getattr(job, name) for name in _VIEW_FIELDS))
+        if model is None:
+            return view
+        return replace(view, backend=model.backend, base_model=model.base_model)
+
+    @property
+    def usage(self) -> JobUsage:
+        return job_usage(
+            self.kind,
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            trained_tokens=self.trained_tokens,
+            started_at=self.started_at,
+            finished_at=self.finished_at,
+        )
 
 
-_VIEW_FIELDS = tuple(f.name for f in fields(JobView))
+async def view_of(session: AsyncSession, job: JobRow) -> JobView:
+    """A job the route holds as a row, with its model's backend and base model (the
+    service has the model in the session already: no query)."""
+    return JobView.of(job, await session.get(ModelRow, job.model_name))
+
+
+_VIEW_FIELDS = tuple(f.name for f in fields(JobView) if f.name not in ("backend", "base_model"))
 _COLUMNS = JobRow.__mapper__.columns  # by attribute name: table columns, not ORM attributes
-_VIEW = select(*(_COLUMNS[name] for name in _VIEW_FIELDS))
+_MODEL = ModelRow.__table__.c
+_OF_MODEL = _MODEL.name == _COLUMNS["model_name"]
+_VIEW = select(
+    *(_COLUMNS[name] for name in _VIEW_FIELDS),
+    select(_MODEL.backend).where(_OF_MODEL).scalar_subquery(),
+    select(_MODEL.base_model).where(_OF_MODEL).scalar_subquery(),
+)
 _READ_JOB = _VIEW.where(_COLUMNS["id"] == bindparam("id"), _COLUMNS["kind"] == bindparam("kind"))
 """Built once: building a statement costs more than SQLite takes to run it."""
 _READ_PROJECT_JOB = _READ_JOB.where(_COLUMNS["project_id"] == bindparam("project_id"))
@@ -179,15 +213,15 @@ async def replay(session: AsyncSession, key: str, request_hash: str) -> JobRow |
 
 
 async def enqueue_once(
-    session: AsyncSession, new: NewJob, idempotency_key: str | None
+    session: AsyncSession, new: NewJob, idempotency_key: str | None, key_id: str | None = None
 ) -> tuple[JobRow, bool]:
     """Enqueue `new`, a submission (in the caller's write transaction), if its project's
     quotas allow it (429 if not: `app.tenants.quotas.admit`); (job, replayed). A concurrent
     request with the same Idempotency-Key that committed first is answered as its replay;
-    one still in progress is a 409."""
+    one still in progress is a 409. `key_id`: the key that submitted it."""
     await quotas.admit(session, new.model_name)
     try:
-        return await enqueue(session, replace(new, submitted=True)), False
+        return await enqueue(session, replace(new, submitted=True, key_id=key_id)), False
     except IntegrityError as exc:
         await session.rollback()
         await begin_write(session)
@@ -261,9 +295,12 @@ def progress_of(job: JobView) -> JobProgress:
     return JobProgress(step=job.progress_step, total=total, percent=percent)
 
 
-def job_fields(job: JobView) -> dict[str, Any]:
+def job_fields(job: JobView, pricing: Pricing) -> dict[str, Any]:
     """What every kind of job shows the same way."""
+    usage = job.usage
     return {
+        "usage": usage,
+        "cost": pricing.cost(usage, backend=job.backend, base_model=job.base_model),
         "id": job.id,
         "model": job.model_name,
         "status": JobStatus(job.status),
@@ -279,9 +316,11 @@ def job_fields(job: JobView) -> dict[str, Any]:
     }
 
 
-def page_of(jobs: list[JobView], has_more: bool, wire: Callable[[JobView], T]) -> Page[T]:
+def page_of(
+    jobs: list[JobView], has_more: bool, wire: Callable[[JobView, Pricing], T], pricing: Pricing
+) -> Page[T]:
     return Page(
-        data=[wire(j) for j in jobs],
+        data=[wire(j, pricing) for j in jobs],
         has_more=has_more,
         next_cursor=jobs[-1].id if has_more and jobs else None,
     )

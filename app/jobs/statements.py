@@ -40,7 +40,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, distinct_on
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.dml import Insert, ReturningUpdate, Update
-from sqlalchemy.sql.functions import ReturnTypeFromArgs
+from sqlalchemy.sql.functions import GenericFunction, ReturnTypeFromArgs
 from sqlalchemy.sql.selectable import Select
 
 from app.db import utcnow
@@ -112,6 +112,47 @@ class greatest(ReturnTypeFromArgs[Any]):
 @compiles(greatest, "sqlite")
 def _greatest_on_sqlite(element: greatest, compiler: Any, **kw: Any) -> str:
     return f"max({compiler.process(element.clauses, **kw)})"
+
+
+class least(ReturnTypeFromArgs[Any]):
+    """The smaller of its arguments: `least` on Postgres, the scalar `min` on SQLite."""
+
+    inherit_cache = True
+
+
+@compiles(least, "sqlite")
+def _least_on_sqlite(element: least, compiler: Any, **kw: Any) -> str:
+    return f"min({compiler.process(element.clauses, **kw)})"
+
+
+class seconds_between(GenericFunction[float]):
+    """Seconds from its first timestamp to its second (negative if before)."""
+
+    type = Float()
+    inherit_cache = True
+
+
+@compiles(seconds_between, "postgresql")
+def _seconds_on_postgres(element: seconds_between, compiler: Any, **kw: Any) -> str:
+    start, end = (compiler.process(c, **kw) for c in element.clauses)
+    return f"EXTRACT(EPOCH FROM ({end} - {start}))"
+
+
+@compiles(seconds_between, "sqlite")
+def _seconds_on_sqlite(element: seconds_between, compiler: Any, **kw: Any) -> str:
+    start, end = (compiler.process(c, **kw) for c in element.clauses)
+    return f"((julianday({end}) - julianday({start})) * 86400.0)"
+
+
+def ran_within(
+    since: ColumnElement[Any], until: ColumnElement[Any], now: ColumnElement[Any]
+) -> ColumnElement[float]:
+    """Seconds a job ran within [since, until): from its last claim (`started_at`) to its
+    end, or to `now` while it runs, clipped to the window; 0 outside it. What a project's
+    daily trainer-seconds quota counts (`app.jobs.quotas`) and what `GET /v1/usage` sums."""
+    start = greatest(jobs.c.started_at, since)
+    end = least(func.coalesce(jobs.c.finished_at, now), until)
+    return case((end > start, seconds_between(start, end)), else_=literal(0.0, Float))
 
 
 @functools.cache

@@ -24,7 +24,15 @@ from app.backends.base import BackendError, Inference, classify
 from app.egress import EgressClient, EgressError, EgressPolicy, Reply
 from app.errors import format_path
 from app.evaluations import scoring
-from app.jobs.lifecycle import Cancelled, ErrorInfo, EventType, Failed, Outcome, Succeeded
+from app.jobs.lifecycle import (
+    Cancelled,
+    ErrorInfo,
+    EventType,
+    Failed,
+    JobUpdate,
+    Outcome,
+    Succeeded,
+)
 from app.jobs.payloads import compress
 from app.jobs.store import Claim, LeaseState
 from app.jobs.supervise import (
@@ -38,7 +46,7 @@ from app.jobs.supervise import (
 )
 from app.rollouts import spec
 from app.rollouts.graders import Grader
-from app.rollouts.sampling import SamplingClient, SamplingError
+from app.rollouts.sampling import SamplingClient, SamplingError, tokens_of
 from app.rollouts.service import training_child
 from app.rollouts.spec import RolloutSpec
 from app.schemas.rollouts import Example
@@ -65,6 +73,8 @@ class Collected:
     errors: list[str] = field(default_factory=list)
     num_errors: int = 0
     untrainable: list[str | int] = field(default_factory=list)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
 
     def error(self, message: str) -> None:
         self.num_errors += 1
@@ -85,6 +95,11 @@ class Collected:
             "untrainable_groups": self.untrainable,
             "errors": self.errors,
         }
+
+    def tokens(self) -> JobUpdate:
+        """The job's columns of tokens sampled (agents sample through their own calls:
+        those count where they are made, e.g. the gateway)."""
+        return JobUpdate(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens)
 
 
 async def run(claim: Claim, ctx: RunContext) -> None:
@@ -166,7 +181,7 @@ def _collected(
     if not collected.groups:
         message = "no answer could be sampled and graded: " + "; ".join(collected.errors[:3])
         error = ErrorInfo(type="NothingCollected", message=message, transient=False)
-        return Failed(error, data=stats, job={"metrics": stats})
+        return Failed(error, data=stats, job={"metrics": stats, **collected.tokens()})
     child = None
     if recipe.train is not None:
         try:
@@ -183,7 +198,7 @@ def _collected(
             )
         except ValueError as exc:
             error = ErrorInfo(type="UntrainableGroups", message=str(exc), transient=False)
-            return Failed(error, data=stats, job={"metrics": stats})
+            return Failed(error, data=stats, job={"metrics": stats, **collected.tokens()})
     output = json.dumps(collected.groups).encode()
     child_id = child.id if child is not None else None
     return Succeeded(
@@ -195,6 +210,7 @@ def _collected(
             "next_job_id": child_id,
             "progress_step": progress.step,
             "progress_total": progress.total,
+            **collected.tokens(),
         },
         child=child,
     )
@@ -339,6 +355,9 @@ async def _sample_example(
         collected.error(f"example {example.id}: {exc}")
         advance(body.num_generations)
         return []
+    prompt, completion = tokens_of(response)
+    collected.prompt_tokens += prompt
+    collected.completion_tokens += completion
     assert body.grader is not None
     example_json = example.model_dump(mode="json")
     trajectories = []

@@ -217,6 +217,19 @@ class SamplingClient:
         await self.aclose()
 
 
+def tokens_of(answer: dict[str, Any]) -> tuple[int, int]:
+    """(prompt, completion) tokens of a chat.completion, as its `usage` says; (0, 0) for
+    an answer without one (an endpoint that does not count)."""
+    usage = answer.get("usage")
+    if not isinstance(usage, dict):
+        return 0, 0
+    return _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
 def _proxy_for(url: str) -> str | None:
     """The proxy the environment names for `url` (HTTP_PROXY / HTTPS_PROXY, unless
     NO_PROXY holds its host), or None."""

@@ -19,6 +19,7 @@ from app.jobs.lifecycle import JobKind, NewJob
 from app.jobs.payloads import decompress
 from app.jobs.service import JobView, enqueue_once, job_fields, replay
 from app.jobs.store import new_job
+from app.jobs.usage import Pricing
 from app.models import JobRow, ModelRow
 from app.rollouts import spec
 from app.schemas.common import FieldError
@@ -93,6 +94,7 @@ async def create_rollout_job(
     idempotency_key: str | None = None,
     egress: EgressPolicy | None = None,
     project_id: str | None = None,
+    key_id: str | None = None,
 ) -> tuple[JobRow, bool]:
     """Store a prepared rollout job; (job, replayed). `egress`: the policy its agent or
     webhook URL must pass (as far as it can be judged before the call: an address literal,
@@ -163,7 +165,7 @@ async def create_rollout_job(
         max_attempts=max_attempts,
         idempotency_key=idempotency_key,
     )
-    return await enqueue_once(session, new, idempotency_key)
+    return await enqueue_once(session, new, idempotency_key, key_id)
 
 
 # Specs above this are compressed in a thread, so the event loop keeps serving.
@@ -224,9 +226,9 @@ def to_collection(job: JobRow) -> TrajectoryCollection:
     return groups_to_collection(load_output(job), run_id=job.id)
 
 
-def to_wire(job: JobView) -> RolloutJob:
+def to_wire(job: JobView, pricing: Pricing) -> RolloutJob:
     return RolloutJob(
-        **job_fields(job),
+        **job_fields(job, pricing),
         summary=RolloutSummary.model_validate({**job.summary, **(job.metrics or {})}),
         training_job_id=job.next_job_id,
     )

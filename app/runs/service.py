@@ -11,12 +11,13 @@ import asyncio
 import hashlib
 import secrets
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeAlias
 
 from pydantic import BaseModel
-from sqlalchemy import select
+from sqlalchemy import Executable, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.backends import SPECS
@@ -30,8 +31,10 @@ from app.jobs.payloads import Payload
 from app.jobs.runs import apply_pause
 from app.jobs.service import enqueue_once, get_job, missing_job, replay
 from app.jobs.store import new_job
-from app.models import DEFAULT_PROJECT_ID, JobRow, ModelRow, RunMetricRow, RunRow
+from app.jobs.usage import Pricing
+from app.models import JobRow, ModelRow, RunMetricRow, RunRow
 from app.runs import spec
+from app.runs import usage as run_usage
 from app.runs.schedule import initial_state, waiting_id
 from app.runs.state import decode as decode_state
 from app.schemas.graders import NEEDS_EXPECTED
@@ -46,6 +49,7 @@ from app.schemas.runs import (
     RunProgress,
     RunSettings,
 )
+from app.schemas.usage import JobCost, JobUsage
 from app.settings import Settings
 from app.training import methods
 from app.training.service import hyperparameters_of
@@ -169,27 +173,32 @@ def _warmup(backend: str, body: RunCreate) -> tuple[dict[str, Any] | None, list[
     return {"examples": examples, "hyperparameters": hyperparameters}, bad
 
 
-async def create_run(
-    session: AsyncSession,
-    *,
-    job: Prepared,
-    idempotency_key: str | None,
-    settings: Settings,
-    project_id: str | None = None,
-) -> tuple[JobRow, bool]:
-    """Store a run, its spec and its state (queued); (row, replayed). `project_id`: the
-    model must be that project's (another's is no such model)."""
+@dataclass(frozen=True)
+class Checked:
+    """A run request that passed every check: what storing it needs, and what pricing it
+    does (`app.runs.estimate`)."""
+
+    model: ModelRow
+    stored: spec.RunSpec
+    train: list[dict[str, Any]]
+    hyperparameters: dict[str, Any]
+    num_validation: int
+    dataset: Any
+    large: bool
+
+
+async def check_run(
+    session: AsyncSession, *, job: Prepared, settings: Settings, project_id: str | None
+) -> Checked:
+    """Every check a run request passes before it is stored (422 naming each problem, 404
+    no such model, 409 the model is busy), in the caller's write transaction."""
     body = job.body
-    await begin_write(session)
-    if idempotency_key is not None:
-        earlier = await replay(session, idempotency_key, job.request_hash)
-        if earlier is not None:
-            return earlier, True
     errors: list[dict[str, Any]] = []
     model = await session.get(ModelRow, body.model)
     if model is not None and project_id is not None and model.project_id != project_id:
         model = None  # another project's: as if there were none
     hyperparameters: dict[str, Any] = {}
+    warmup = None
     if model is None:
         errors.append({"loc": ("model",), "msg": "no such model", "type": "unknown_model"})
     elif not SPECS[model.backend].serves:
@@ -212,6 +221,7 @@ async def create_run(
             f"{len(errors)} problem(s) in the request; nothing was stored",
             errors=field_errors(errors),
         )
+    assert model is not None
     train_split = ref.train_split if ref else "train"
     validation_split = ref.validation_split if ref else "validation"
     num_validation = len(splits.get(validation_split or "", [])) if body.validation else 0
@@ -224,7 +234,30 @@ async def create_run(
         examples=splits if body.examples is not None else None,
         warmup=warmup,
     )
-    if large:
+    return Checked(model, stored, splits[train_split], hyperparameters, num_validation, ref, large)
+
+
+async def create_run(
+    session: AsyncSession,
+    *,
+    job: Prepared,
+    idempotency_key: str | None,
+    settings: Settings,
+    project_id: str | None = None,
+    key_id: str | None = None,
+) -> tuple[JobRow, bool]:
+    """Store a run, its spec and its state (queued); (row, replayed). `project_id`: the
+    model must be that project's (another's is no such model)."""
+    body = job.body
+    await begin_write(session)
+    if idempotency_key is not None:
+        earlier = await replay(session, idempotency_key, job.request_hash)
+        if earlier is not None:
+            return earlier, True
+    checked = await check_run(session, job=job, settings=settings, project_id=project_id)
+    model, stored, ref = checked.model, checked.stored, checked.dataset
+    hyperparameters, num_validation = checked.hyperparameters, checked.num_validation
+    if checked.large:
         payload = await asyncio.to_thread(spec.encode, stored)
     else:
         payload = spec.encode(stored)
@@ -242,7 +275,7 @@ async def create_run(
         idempotency_key=idempotency_key,
         queued_event={"num_train": stored.num_train, "num_validation": num_validation},
     )
-    row, again = await enqueue_once(session, new, idempotency_key)
+    row, again = await enqueue_once(session, new, idempotency_key, key_id)
     if again:
         return row, True
     session.add(
@@ -253,7 +286,7 @@ async def create_run(
             state=initial_state(stored.plan()).encode(),
             waiting_on=None,
             # The job's project: its model's (checked above: the model exists).
-            project_id=model.project_id if model is not None else DEFAULT_PROJECT_ID,
+            project_id=model.project_id,
         )
     )
     await session.flush()
@@ -412,7 +445,43 @@ def _shown(recipe: dict[str, Any]) -> dict[str, Any]:
     return recipe
 
 
-def to_wire(job: JobRow, run: RunRow) -> Run:
+Read: TypeAlias = Callable[[Executable], Awaitable[Sequence[Any]]]
+"""Runs a statement and returns its rows: a `Reader`'s `all`, or a session's."""
+
+
+def session_read(session: AsyncSession) -> Read:
+    async def read(statement: Executable) -> Sequence[Any]:
+        rows: Sequence[Any] = (await session.execute(statement)).all()
+        return rows
+
+    return read
+
+
+async def wired(read: Read, rows: Sequence[tuple[JobRow, RunRow]], pricing: Pricing) -> list[Run]:
+    """The runs on the wire, each with its children's usage and its estimated cost."""
+    if not rows:
+        return []
+    jobs = [job for job, _ in rows]
+    used = run_usage.usage_by_run(jobs, await read(run_usage.children_query(jobs)))
+    names = {job.model_name for job in jobs}
+    models = {
+        row.name: row
+        for row in await read(
+            select(ModelRow.name, ModelRow.backend, ModelRow.base_model).where(
+                ModelRow.name.in_(names)
+            )
+        )
+    }
+    wire = []
+    for job, run in rows:
+        model = models.get(job.model_name)
+        backend, base = (model.backend, model.base_model) if model else (None, None)
+        cost = pricing.cost(used[job.id], backend=backend, base_model=base)
+        wire.append(to_wire(job, run, used[job.id], cost))
+    return wire
+
+
+def to_wire(job: JobRow, run: RunRow, usage: JobUsage, cost: JobCost) -> Run:
     state = decode_state(run.state)
     status = JobStatus(job.status)
     step, total = state.step, state.total_steps
@@ -449,6 +518,8 @@ def to_wire(job: JobRow, run: RunRow) -> Run:
         created_at=job.created_at,
         started_at=job.started_at,
         finished_at=job.finished_at,
+        usage=usage,
+        cost=cost,
     )
 
 

@@ -14,6 +14,7 @@ from app.schemas.graders import Grader
 from app.schemas.jobs import WAITING_FOR, JobError, JobProgress
 from app.schemas.pieces import EACH, Piece
 from app.schemas.rollouts import Example
+from app.schemas.usage import JobCost, JobUsage
 
 SplitName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 MAX_SAMPLES_PER_EXAMPLE = 64
@@ -147,6 +148,8 @@ class EvaluationJob(BaseModel):
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+    usage: JobUsage = Field(description="What the job used (`GET /v1/usage` sums it).")
+    cost: JobCost = Field(description="`usage` priced by `TRAINYARD_PRICES`: an estimate.")
 
 
 class EvaluationResult(BaseModel):

@@ -19,6 +19,7 @@ from app.schemas.trajectories import (
     TrajectoryCollection,
     TrajectorySummary,
 )
+from app.schemas.usage import JobCost, JobUsage
 
 WAITING_FOR = (
     'Queued, and no live worker can run it: why, e.g. "no live worker in pool `gpu` runs '
@@ -167,6 +168,8 @@ class TrainingJob(BaseModel):
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+    usage: JobUsage = Field(description="What the job used (`GET /v1/usage` sums it).")
+    cost: JobCost = Field(description="`usage` priced by `TRAINYARD_PRICES`: an estimate.")
 
 
 class JobEvent(BaseModel):

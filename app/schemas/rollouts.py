@@ -26,6 +26,7 @@ from app.schemas.graders import (
 from app.schemas.jobs import WAITING_FOR, JobError, JobProgress
 from app.schemas.pieces import EACH, Piece
 from app.schemas.supervised import PromptMessage
+from app.schemas.usage import JobCost, JobUsage
 
 
 class Example(BaseModel):
@@ -186,6 +187,8 @@ class RolloutJob(BaseModel):
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+    usage: JobUsage = Field(description="What the job used (`GET /v1/usage` sums it).")
+    cost: JobCost = Field(description="`usage` priced by `TRAINYARD_PRICES`: an estimate.")
 
 
 def refused_destinations(

@@ -15,6 +15,7 @@ from app.schemas.jobs import JobError
 from app.schemas.pieces import EACH, Piece
 from app.schemas.rollouts import Agent, Example, Sampling
 from app.schemas.supervised import MAX_EXAMPLES, SftExample
+from app.schemas.usage import JobCost, JobUsage
 
 SplitName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 
@@ -302,6 +303,8 @@ class Run(BaseModel):
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+    usage: JobUsage = Field(description="What its child jobs used, summed.")
+    cost: JobCost = Field(description="`usage` priced by `TRAINYARD_PRICES`: an estimate.")
 
 
 class RunSettings(BaseModel):
@@ -345,3 +348,19 @@ class RunMetric(BaseModel):
         "score, reward_mean, num_samples, job_id."
     )
     created_at: datetime
+
+
+class RunEstimate(BaseModel):
+    """What a run would use and cost (`POST /v1/run-estimates`): nothing is stored.
+    Tokens are upper bounds (every answer at `max_tokens`, every step a full batch);
+    seconds follow the model's own recent jobs. A figure that cannot be estimated is null,
+    and `notes` says why."""
+
+    dry_run: Literal[True] = True
+    model: str
+    total_steps: int = Field(description="Training steps, as far as known now.")
+    samples: int = Field(description="Answers sampled: rollouts and validations.")
+    validations: int = Field(description="Validations (the first one, of the start step, too).")
+    usage: JobUsage
+    cost: JobCost
+    notes: list[str] = Field(description="How each figure was estimated, or why it is null.")

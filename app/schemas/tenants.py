@@ -143,20 +143,37 @@ class ProjectQuotas(BaseModel):
 
 class UsageRow(BaseModel):
     group: str = Field(
-        description="The day (`YYYY-MM-DD`, UTC), model, run id or job kind; `total` for the sum."
+        description="The day (`YYYY-MM-DD`, UTC), model, run id, kind (`training`, "
+        "`rollout`, `evaluation`, `gateway`) or key id (`none`: jobs no stored key "
+        "submitted, e.g. a run's, and keys of TRAINYARD_API_KEYS); `total` for the sum."
     )
     jobs: int = Field(default=0, description="Jobs counted (each one's last attempt).")
+    gateway_calls: int = Field(default=0, description="Gateway answers whose tokens are known.")
     trainer_seconds: float = Field(default=0.0, description="Training jobs' time.")
     rollout_seconds: float = Field(
         default=0.0, description="Rollout and evaluation jobs' time: sampling and grading."
+    )
+    prompt_tokens: int = Field(
+        default=0,
+        description="Prompt tokens sampled: rollout and evaluation jobs (run validations "
+        "among them) that ended in the window, and gateway calls.",
+    )
+    completion_tokens: int = Field(default=0, description="Completion tokens sampled.")
+    trained_tokens: int = Field(
+        default=0, description="Tokens trained: training jobs that ended in the window."
+    )
+    checkpoint_bytes: int | None = Field(
+        default=None,
+        description="group_by=model: the bytes its checkpoints take now (null: another "
+        "group_by, or checkpoints this service cannot read).",
     )
     cost: float = Field(default=0.0, description="Estimated from `TRAINYARD_PRICES`.")
 
 
 class Usage(BaseModel):
-    since: datetime = Field(description="`from`: jobs that started at or after it.")
+    since: datetime = Field(description="`from`: what ran at or after it.")
     until: datetime = Field(description="`to`: and before it.")
-    group_by: Literal["day", "model", "run", "kind"]
+    group_by: Literal["day", "model", "run", "kind", "key"]
     currency: str
     data: list[UsageRow]
     total: UsageRow

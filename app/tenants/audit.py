@@ -31,10 +31,14 @@ def new_event_id(at: datetime) -> str:
     return f"aud_{int(at.timestamp() * 1_000_000):016x}{secrets.token_hex(4)}"
 
 
-class AuditLog:
-    """Events are queued in memory (at most MAX_QUEUED: past that, a request waits for
-    room after its answer is sent, so memory stays bounded and nothing is dropped) and
-    written `BATCH` at a time by `run`."""
+class BatchWriter:
+    """Rows of `table` queued in memory (at most MAX_QUEUED: past that, a request waits
+    for room after its answer is sent, so memory stays bounded and nothing is dropped) and
+    written `BATCH` at a time by one background task (the gateway's usage rows, too:
+    `app.tenants.metering`)."""
+
+    table: Table
+    name: str
 
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
@@ -43,11 +47,10 @@ class AuditLog:
         self._writing = asyncio.Lock()
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="audit-log")
+        self._task = asyncio.create_task(self._run(), name=self.name)
 
-    async def record(self, **event: Any) -> None:
-        at = utcnow()
-        await self._queue.put({"id": new_event_id(at), "at": at, **event})
+    async def put(self, row: dict[str, Any]) -> None:
+        await self._queue.put(row)
 
     async def _run(self) -> None:
         while True:
@@ -61,11 +64,11 @@ class AuditLog:
             for attempt in range(3):
                 try:
                     async with write_connection(self.engine) as conn:
-                        await conn.execute(insert(events), batch)
+                        await conn.execute(insert(self.table), batch)
                     return
                 except Exception:
                     if attempt == 2:
-                        log.exception("audit: %d events not written", len(batch))
+                        log.exception("%s: %d rows not written", self.name, len(batch))
                         return
                     await asyncio.sleep(0.5 * (attempt + 1))
 
@@ -82,6 +85,17 @@ class AuditLog:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         await self.flush()
+
+
+class AuditLog(BatchWriter):
+    """The audit log's events, written in batches."""
+
+    table = events
+    name = "audit-log"
+
+    async def record(self, **event: Any) -> None:
+        at = utcnow()
+        await self.put({"id": new_event_id(at), "at": at, **event})
 
 
 async def prune(

@@ -47,7 +47,8 @@ from app.jobs.supervise import (
     started_event,
     supervise,
 )
-from app.training import methods, spec
+from app.training import methods, spec, tokens
+from app.trajectories import groups_to_art
 
 if TYPE_CHECKING:
     import art
@@ -99,7 +100,7 @@ async def run(claim: Claim, ctx: RunContext) -> None:
         name=f"train:{lease.job_id}",
     )
     try:
-        outcome = await _outcome(claim, adapter, train, start_step, work.learnable, progress, ctx)
+        outcome = await _outcome(claim, adapter, train, start_step, work, progress, ctx)
     finally:
         if not train.done():
             train.cancel()
@@ -120,11 +121,12 @@ async def _outcome(
     adapter: TrainerAdapter,
     train: asyncio.Task[TrainOutcome],
     start_step: int,
-    learnable: bool,
+    work: _Work,
     progress: Progress,
     ctx: RunContext,
 ) -> Outcome | None:
-    """`learnable`: some group has two different rewards. None: nothing to write (the
+    """`work.learnable`: some group has two different rewards; `work.tokens`: counted as
+    trained once a step landed. None: nothing to write (the
     lease is lost, or the step is unknown: the lease lapses
     and recovery asks the backend again later)."""
     try:
@@ -136,7 +138,7 @@ async def _outcome(
             return None if step is None else failure(classify(exc), claim, ctx.settings)
         assert step is not None
         note = f"{type(exc).__name__}: {exc}"
-        return await _recovered(adapter, claim, start_step, step, progress, note)
+        return await _recovered(adapter, claim, start_step, step, progress, note, work)
     if supervised == "lost":
         log.warning("job %s: lease lost while training; result discarded", claim.lease.job_id)
         return None
@@ -145,7 +147,7 @@ async def _outcome(
         if landed_step(start_step, step) is not None:
             assert step is not None
             note = "cancel arrived after the step landed"
-            return await _recovered(adapter, claim, start_step, step, progress, note)
+            return await _recovered(adapter, claim, start_step, step, progress, note, work)
         # Unknown: the step may yet land; the next job reads it from the backend.
         unknown = ModelUpdate(step_known=False) if step is None else None
         return Cancelled("running", {"step": progress.step}, model=unknown)
@@ -164,7 +166,8 @@ async def _outcome(
             "recovered": False,
             # ART counts the step either way; only a group with two different rewards
             # (and a backend that trained on it) changes the weights.
-            "trained": result.trained and learnable,
+            "trained": result.trained and work.learnable,
+            "trained_tokens": work.tokens,
             **_progress_columns(progress),
         },
         model=await _served(adapter, claim.model, result.step),
@@ -176,6 +179,7 @@ class _Work:
     """What a stored spec asks the backend to do, by its method (`rl`, `sft`, `dpo`)."""
 
     counts: dict[str, Any]  # the `training_started` event's data
+    tokens: int  # what the trainer is handed (`app.training.tokens`)
     learnable: bool  # whether a step on it can change the weights
     train: Callable[
         [TrainerAdapter, ModelSpec, dict[str, Any], ProgressCallback],
@@ -190,6 +194,7 @@ def _work(payload: Payload) -> _Work:
         chats = methods.sft_trajectories(payload)
         return _Work(
             {"method": "sft", "examples": len(chats)},
+            tokens.count(methods.stored_examples(payload)),
             True,
             lambda adapter, model, hp, progress: adapter.train_sft(model, chats, hp, progress),
         )
@@ -197,12 +202,15 @@ def _work(payload: Payload) -> _Work:
         pairs = methods.stored_pairs(payload)
         return _Work(
             {"method": "dpo", "pairs": len(pairs)},
+            tokens.count(pairs),
             True,
             lambda adapter, model, hp, progress: adapter.train_dpo(model, pairs, hp, progress),
         )
-    groups = spec.decode(payload)
+    stored = spec.stored_groups(payload)
+    groups = groups_to_art(stored)
     return _Work(
         {"groups": len(groups)},
+        tokens.count(stored),
         any(map(_learnable, groups)),
         lambda adapter, model, hp, progress: adapter.train(model, groups, hp, on_progress=progress),
     )
@@ -243,13 +251,14 @@ async def _recovered(
     step: int,
     progress: Progress,
     note: str,
+    work: _Work,
 ) -> Recovered:
     return Recovered(
         start_step,
         step,
         note,
         model=await _served(adapter, claim.model, step),
-        job=_progress_columns(progress),
+        job={**_progress_columns(progress), "trained_tokens": work.tokens},
     )
 
 

@@ -21,6 +21,7 @@ from app.jobs.lifecycle import JobKind, JobStatus
 from app.jobs.payloads import Payload
 from app.jobs.service import JobView, enqueue_once, get_job, job_fields, replay
 from app.jobs.store import new_job
+from app.jobs.usage import Pricing
 from app.models import DatasetRow, JobRow, ModelRow
 from app.schemas.common import FieldError
 from app.schemas.jobs import (
@@ -410,6 +411,7 @@ async def create_training_job(
     idempotency_key: str | None,
     max_attempts: int,
     project_id: str | None = None,
+    key_id: str | None = None,
 ) -> tuple[JobRow, bool]:
     """Store a prepared job with its spec and first event. Returns (job, replayed).
     `project_id`: the model must be that project's (another's is no such model).
@@ -462,7 +464,7 @@ async def create_training_job(
         policy_step=job.policy_step,
         max_steps_off_policy=job.max_steps_off_policy,
     )
-    return await enqueue_once(session, new, idempotency_key)
+    return await enqueue_once(session, new, idempotency_key, key_id)
 
 
 async def trajectories(
@@ -493,7 +495,7 @@ def _shaped(
     return TrainingTrajectories(groups=groups)
 
 
-def to_wire(job: JobView) -> TrainingJob:
+def to_wire(job: JobView, pricing: Pricing) -> TrainingJob:
     result = None
     if job.status == JobStatus.succeeded.value:
         result = JobResult(
@@ -507,7 +509,7 @@ def to_wire(job: JobView) -> TrainingJob:
         )
     method = job.summary.get("method", "rl")
     return TrainingJob(
-        **job_fields(job),
+        **job_fields(job, pricing),
         method=method,
         summary=_SUMMARIES.get(method, TrajectorySummary).model_validate(job.summary),
         hyperparameters=job.hyperparameters,

@@ -651,6 +651,21 @@ class Runs(_Followed[m.Run]):
             )
         )
 
+    @operation("runs-estimate")
+    async def estimate(
+        self,
+        *,
+        model: str,
+        recipe: Mapping[str, Any],
+        schedule: Mapping[str, Any],
+        **more: Any,
+    ) -> m.RunEstimate:
+        """A dry run of `create` (its arguments but `idempotency_key`): the run checked as
+        it would be, and its estimated usage and cost; nothing is stored."""
+        return await self._send(
+            calls.runs_estimate(model=model, recipe=recipe, schedule=schedule, **more)
+        )
+
     @operation("runs-list")
     async def list(
         self,

@@ -67,6 +67,7 @@ OPERATIONS: dict[str, tuple[str, str]] = {
     "evaluation_jobs-events": ("GET", "/v1/evaluation-jobs/{job_id}/events"),
     "evaluation_jobs-stream": ("GET", "/v1/evaluation-jobs/{job_id}/events/stream"),
     "runs-create": ("POST", "/v1/runs"),
+    "runs-estimate": ("POST", "/v1/run-estimates"),
     "runs-list": ("GET", "/v1/runs"),
     "runs-get": ("GET", "/v1/runs/{run_id}"),
     "runs-pause": ("POST", "/v1/runs/{run_id}/pause"),
@@ -442,7 +443,7 @@ def evaluation_jobs_compare(a: str, b: str) -> Call[m.EvaluationComparison]:
     return _replace(call, params=_params(a=a, b=b))
 
 
-def runs_create(
+def _run_body(
     *,
     model: str,
     recipe: Mapping[str, Any],
@@ -457,10 +458,9 @@ def runs_create(
     curriculum: Mapping[str, Any] | None = None,
     max_steps_off_policy: int | None = None,
     metadata: Mapping[str, Any] | None = None,
-    idempotency_key: str | None = None,
     warmup: Mapping[str, Any] | None = None,
-) -> Call[m.Run]:
-    body = _body(
+) -> dict[str, Any]:
+    return _body(
         model=model,
         dataset=dataset,
         examples=list(examples) if examples is not None else None,
@@ -476,9 +476,18 @@ def runs_create(
         metadata=metadata,
         warmup=warmup,
     )
+
+
+def runs_create(*, idempotency_key: str | None = None, **fields: Any) -> Call[m.Run]:
     key = idempotency_key if idempotency_key is not None else new_idempotency_key()
     call = _call("runs-create", _json(m.Run))
-    return _replace(call, json=body, headers={"Idempotency-Key": key})
+    return _replace(call, json=_run_body(**fields), headers={"Idempotency-Key": key})
+
+
+def runs_estimate(**fields: Any) -> Call[m.RunEstimate]:
+    """A dry run of `runs_create`: checked and priced, nothing stored."""
+    call = _call("runs-estimate", _json(m.RunEstimate))
+    return _replace(call, json=_run_body(**fields))
 
 
 def runs_list(

@@ -219,6 +219,27 @@ class TrajectorySummary(_Wire):
     untrainable_groups: list[int]
 
 
+class JobUsage(_Wire):
+    """What a job (or a run: its children) used; null: not counted."""
+
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    trained_tokens: int | None
+    trainer_seconds: float | None
+    rollout_seconds: float | None
+
+
+class JobCost(_Wire):
+    """`usage` priced by the server's price table: an estimate."""
+
+    currency: str
+    amount: float
+    sampled: float
+    trained: float
+    trainer: float
+    rollout: float
+
+
 class _Ends(_Wire):
     """What every kind of job has: a status, and so an end."""
 
@@ -231,6 +252,8 @@ class _Ends(_Wire):
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+    usage: JobUsage
+    cost: JobCost
 
     @property
     def done(self) -> bool:
@@ -386,6 +409,19 @@ class Run(_Ends):
     current_jobs: list[str]
 
 
+class RunEstimate(_Wire):
+    """What a run would use and cost (a dry run: nothing stored)."""
+
+    dry_run: bool = True
+    model: str
+    total_steps: int
+    samples: int
+    validations: int
+    usage: JobUsage
+    cost: JobCost
+    notes: list[str]
+
+
 class RunSettings(_Wire):
     """A run's settings as it stores them (no examples, no grader or agent headers)."""
 
@@ -495,8 +531,13 @@ class AuditEvent(_Wire):
 class UsageRow(_Wire):
     group: str
     jobs: int = 0
+    gateway_calls: int = 0
     trainer_seconds: float = 0.0
     rollout_seconds: float = 0.0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    trained_tokens: int = 0
+    checkpoint_bytes: int | None = None
     cost: float = 0.0
 
 
