@@ -30,6 +30,7 @@ from types import ModuleType
 from typing import Any
 
 from sqlalchemy import and_, or_, select, update
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app.backends.cpu import base_model_refusal
@@ -173,7 +174,11 @@ class TinkerService:
                 row = await session.get(TinkerSessionRow, session_id)
                 if row is None:
                     session.add(TinkerSessionRow(session_id=session_id, project_id=principal.owner))
-                    await session.commit()
+                    try:
+                        await session.commit()
+                    except IntegrityError:  # another request recorded it first: its owner
+                        await session.rollback()
+                        row = await session.get(TinkerSessionRow, session_id)
                 owner = principal.owner if row is None else row.project_id
             self.tinker_sessions[session_id] = owner
         if owner is None or not visible(owner, principal):
