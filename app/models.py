@@ -466,6 +466,20 @@ class TinkerSamplerRow(Base):
     base_model: Mapped[str] = mapped_column(Text)
     model_path: Mapped[str | None] = mapped_column(String(300))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    # Migration 0017: its run's project, or the project of the key that made a sampler of a
+    # base model; NULL on rows from before (a registered base model's project, or none).
+    project_id: Mapped[str | None] = mapped_column(String(40))
+
+
+class TinkerSessionRow(Base):
+    """A Tinker session (the SDK's `create_session`) and the project of the key that made
+    it, so that a restarted process tells another project's key there is no such session."""
+
+    __tablename__ = "tinker_sessions"
+
+    session_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    project_id: Mapped[str] = mapped_column(String(40))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
 class EvaluationResultRow(Base):

@@ -60,7 +60,7 @@ async def live(serve: Callable[..., LiveServer], tiny_model: Path) -> Any:
 
 
 async def start_run(service: TinkerService, base: Path) -> str:
-    session = service.create_session(ADMIN)
+    session = await service.create_session(ADMIN)
     lora = {"rank": 4, "seed": 5}
     body = {"session_id": session, "model_seq_id": 0, "base_model": str(base), "lora_config": lora}
     _, model_id = await service.create_model(body, ADMIN)

@@ -196,6 +196,101 @@ async def test_a_project_keys_tinker_run_is_its_projects_alone(
     assert sorted(m["name"] for m in names) == sorted(["team-a-base", run])
 
 
+async def test_the_operators_base_models_are_every_projects_and_the_runs_their_own(
+    serve: Callable[..., LiveServer], tiny_model: Path
+) -> None:
+    """`demo` (and a model directory under the model roots) is a base for every project's
+    keys; what they make of it (runs, samplers) is their own project's."""
+    settings = {"api_keys": "root", "key_cache_seconds": 0, "demo_model": True}
+    async with serve(model_roots=[tiny_model.parent], **settings) as live:
+        c = live.client
+        a = await team(c, "team-a", None)
+        b = await team(c, "team-b", tiny_model)
+
+        async def post(headers: dict[str, str], path: str, body: dict[str, Any]) -> Any:
+            return await c.post(f"{V1}/{path}", json=body, headers=headers)
+
+        async def capabilities(headers: dict[str, str]) -> list[str]:
+            answer = await c.get(f"{V1}/get_server_capabilities", headers=headers)
+            return sorted(m["model_name"] for m in answer.json()["supported_models"])
+
+        assert await capabilities(a.tinker("read")) == ["demo"]
+        assert await capabilities(b.tinker("read")) == ["demo", "team-b-base"]
+        runs = {}
+        for name, t in (("a", a), ("b", b)):
+            session = (await post(t.tinker("write"), "create_session", {})).json()["session_id"]
+            body = {"session_id": session, "model_seq_id": 0, "base_model": "demo"}
+            body["lora_config"] = {"rank": 2}
+            created = await post(t.tinker("write"), "create_model", body)
+            model_id = (await answered(c, t.tinker("write"), created)).json()["model_id"]
+            runs[name] = (f"tinker-{session}-0", model_id)
+        for name, t, o in (("a", a, b), ("b", b, a)):
+            run, model_id = runs[name]
+            mine = await c.get(f"/v1/models/{run}", headers=bearer(t.keys["read"]["secret"]))
+            assert mine.status_code == 200, mine.text
+            theirs = await c.get(f"/v1/models/{run}", headers=bearer(o.keys["read"]["secret"]))
+            assert theirs.status_code == 404, theirs.text
+            refused = await post(o.tinker("write"), "get_info", {"model_id": model_id})
+            assert refused.status_code == 404, refused.text
+        # `demo` itself stays the default project's model: listed by no project key.
+        demo = await c.get("/v1/models/demo", headers=bearer(a.keys["read"]["secret"]))
+        assert demo.status_code == 404, demo.text
+        # Samplers of the operator's bases are the project's of the key that made them.
+        for base in ("demo", str(tiny_model)):
+            made = await post(a.tinker("sample"), "create_sampling_session", {"base_model": base})
+            assert made.status_code == 200, made.text
+            sampler_id = made.json()["sampling_session_id"]
+            for t, status in ((a, 200), (b, 404)):
+                seen = await c.get(f"{V1}/samplers/{sampler_id}", headers=t.tinker("sample"))
+                assert seen.status_code == status, (base, seen.text)
+            prompt = {"chunks": [{"tokens": [3, 5, 7]}]}
+            request = {"sampling_session_id": sampler_id, "seq_id": 0, "prompt": prompt}
+            request["sampling_params"] = {"max_tokens": 2, "temperature": 0.0}
+            refused = await post(b.tinker("sample"), "asample", request)
+            assert refused.status_code == 404, refused.text
+            await answered(
+                c, a.tinker("sample"), await post(a.tinker("sample"), "asample", request)
+            )
+        # Another project's registered model is still no base for the key (400).
+        body = {"session_id": "s" + "0" * 12, "model_seq_id": 0, "base_model": "team-b-base"}
+        refused = await post(a.tinker("write"), "create_model", body)
+        assert refused.status_code == 400 and refused.json()["detail"].startswith("base_model:")
+
+
+async def test_sessions_and_samplers_stay_their_projects_after_a_restart(
+    live: LiveServer, tiny_model: Path
+) -> None:
+    """Processes are `TinkerService` objects over one database (as in test_tinker_journal):
+    the next one knows a session and a sampler of a base directory only from their rows,
+    and tells another project's key, even the first to ask, that there are none."""
+    from app.tenants.keys import Principal
+    from app.tinker.service import TinkerError, TinkerService
+
+    state = live.app.state
+
+    def process() -> TinkerService:
+        return TinkerService(state.settings, state.sessions, state.backends)
+
+    def key_of(project_id: str) -> Principal:
+        return Principal(key_id=None, project_id=project_id, scopes=frozenset({"write"}))
+
+    a = key_of(await project(live.client, "team-a"))
+    b = key_of(await project(live.client, "team-b"))
+    first = process()
+    session = await first.create_session(a)
+    body = {"base_model": str(tiny_model)}
+    sampler_id = await first.create_sampling_session(body, a)
+    del first
+
+    after = process()
+    for refused in (after.heartbeat(session, b), after.sampler(sampler_id, b)):
+        with pytest.raises(TinkerError) as raised:
+            await refused
+        assert raised.value.status == 404, raised.value
+    await after.heartbeat(session, a)
+    assert (await after.sampler(sampler_id, a)).project_id == a.project_id
+
+
 def sdk(url: str, tinker_key: str, *args: str) -> dict[str, Any]:
     """`project.py` with `args` in the SDK's own environment, told where Trainyard is and
     which key to send only as the README says."""
@@ -282,9 +377,9 @@ async def test_the_readme_trains_with_a_project_key_as_written(
     serve: Callable[..., LiveServer], tmp_path: Path
 ) -> None:
     """The README's block, run as written (the server's address aside) against a server
-    with the README's admin key and `demo` model: it makes a project and a `write` key,
-    registers the project's own cpu model with that key's Tinker form, and runs the README's
-    program with it. The program's run is the project's, and no other project's key sees it."""
+    with the README's admin key and `demo` model: it makes a project and a `write` key, and
+    runs the README's program with that key's Tinker form, on `demo` (the operator's). The
+    program's run is the project's, and no other project's key sees it."""
     if not PYTHON.exists():
         pytest.skip("no Tinker SDK environment: make .venv-tinker/.installed")
     settings = {"api_keys": "tml-local-key", "key_cache_seconds": 0, "demo_model": True}
@@ -313,7 +408,7 @@ async def test_the_readme_trains_with_a_project_key_as_written(
         )
         assert ran.returncode == 0, ran.stdout + ran.stderr
         lines = ran.stdout.strip().splitlines()
-        assert lines[0] == "['team-a-demo']", ran.stdout  # the key's project's cpu models
+        assert lines[0] == "['demo']", ran.stdout  # the operator's base model, every key's
         share = re.fullmatch(r"share of token (\d+): ([\d.]+) -> ([\d.]+)", lines[-2])
         assert share and float(share.group(2)) < 0.5 <= 0.8 <= float(share.group(3)), ran.stdout
         found = re.fullmatch(r"key=(tml-ty_\S+) project=(\S+)", lines[-1])
@@ -321,8 +416,7 @@ async def test_the_readme_trains_with_a_project_key_as_written(
         secret = found.group(1).removeprefix("tml-")
         runs = await live.client.get("/v1/models", params={"limit": 100}, headers=bearer(secret))
         names = sorted(m["name"] for m in runs.json()["data"])
-        assert names[0] == "team-a-demo" and len(names) == 2, names
-        assert names[1].startswith("tinker-s"), names
+        assert len(names) == 1 and names[0].startswith("tinker-s"), names  # its run alone
         admin = bearer("tml-local-key")
         made = await live.client.post("/v1/projects", json={"name": "team-b"}, headers=admin)
         theirs = await live.client.post(
@@ -331,5 +425,5 @@ async def test_the_readme_trains_with_a_project_key_as_written(
             headers=admin,
         )
         their_key = bearer(theirs.json()["secret"])
-        hidden = await live.client.get(f"/v1/models/{names[1]}", headers=their_key)
+        hidden = await live.client.get(f"/v1/models/{names[0]}", headers=their_key)
         assert hidden.status_code == 404, hidden.text

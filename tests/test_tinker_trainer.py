@@ -178,8 +178,16 @@ def test_a_sampler_keeps_the_weights_it_was_saved_with(tiny: str, tmp_path: Path
         trainer.forward_backward(p, [d], "cross_entropy", {}, backward=True)
         trainer.optim_step(p, {**DEFAULT_ADAM, "learning_rate": 0.05})
     trained = lora_weights(p)
-    assert draw() == before  # the old weights, swapped in for the sample ...
-    assert all(torch.equal(w, lora_weights(p)[n]) for n, w in trained.items())  # ... and out
+    scored, _ = trainer.forward_backward(p, [d], "cross_entropy", {}, backward=False)
+    assert draw() == before  # the old weights, loaded for the sample and left in ...
+    assert draw() == before  # ... for the next sample (which loads nothing) ...
+    # ... until the run's next operation, which puts the adapter's own weights back first.
+    again_scored, _ = trainer.forward_backward(p, [d], "cross_entropy", {}, backward=False)
+    assert np.array_equal(again_scored[0]["logprobs"], scored[0]["logprobs"])
+    assert all(torch.equal(w, lora_weights(p)[n]) for n, w in trained.items())
+    assert draw() == before
+    trainer.training_weights(p)
+    assert all(torch.equal(w, lora_weights(p)[n]) for n, w in trained.items())
     # The same weights read back from a checkpoint directory sample the same.
     p.save(tmp_path, 1)
     from_disk = trainer.read_adapter(tmp_path)

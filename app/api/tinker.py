@@ -82,7 +82,7 @@ async def healthz() -> dict[str, str]:
 @router.post("/create_session")
 async def create_session(request: Request) -> dict[str, Any]:
     await json_body(request)
-    session_id = service(request).create_session(who(request))
+    session_id = await service(request).create_session(who(request))
     return {"type": "create_session", "session_id": session_id}
 
 
@@ -90,7 +90,7 @@ async def create_session(request: Request) -> dict[str, Any]:
 async def session_heartbeat(request: Request) -> dict[str, Any] | JSONResponse:
     try:
         session_id = str((await json_body(request)).get("session_id", ""))
-        service(request).heartbeat(session_id, who(request))
+        await service(request).heartbeat(session_id, who(request))
     except TinkerError as exc:
         return refused(request, exc)
     return {"type": "session_heartbeat"}

@@ -29,13 +29,21 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import and_, or_, select, update
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app.backends.cpu import base_model_refusal
 from app.checkpoints.service import set_alias
 from app.errors import ConflictError
-from app.models import ModelAliasRow, ModelRow, TinkerSamplerRow
+from app.models import (
+    DEFAULT_PROJECT_ID,
+    ModelAliasRow,
+    ModelRow,
+    TinkerSamplerRow,
+    TinkerSessionRow,
+)
+from app.registry.demo import DEMO
 from app.registry.models import create_model
 from app.schemas.checkpoints import ALIAS_PATTERN, BUILTIN_ALIASES
 from app.schemas.models import ModelCreate
@@ -100,8 +108,16 @@ class Sampler:
     policy: Any | None = None
     weights: dict[str, Any] | None = None
     directory: Path | None = None
-    project_id: str | None = None  # its run's, or its registered base model's; None: a
-    # base model given as a directory, which any key may sample
+    project_id: str | None = None  # its run's, its registered base model's, or (a base
+    # the operator provides: a directory, `demo`) the project of the key that made it
+
+
+def operator_base(row: ModelRow) -> bool:
+    """Whether `row` is a base model the operator provides, which every project's keys may
+    train and sample from (a model directory under the model roots is one too): the `demo`
+    model the server registers in the `default` project. Any other registered model is its
+    project's alone."""
+    return row.name == DEMO and row.project_id == DEFAULT_PROJECT_ID and row.backend == "cpu"
 
 
 def visible(project_id: str | None, principal: Principal) -> bool:
@@ -132,31 +148,50 @@ class TinkerService:
 
     # -- sessions and capabilities -----------------------------------------------------
 
-    def create_session(self, principal: Principal) -> str:
+    async def create_session(self, principal: Principal) -> str:
+        """A new session of the key's project, recorded (`tinker_sessions`) so that it stays
+        that project's after a restart."""
         session_id = f"s{secrets.token_hex(SESSION_BYTES)}"
+        async with self.sessions() as session:
+            session.add(TinkerSessionRow(session_id=session_id, project_id=principal.owner))
+            await session.commit()
         self.tinker_sessions[session_id] = principal.owner
         return session_id
 
-    def heartbeat(self, session_id: str, principal: Principal) -> None:
-        self._session(session_id, principal)
+    async def heartbeat(self, session_id: str, principal: Principal) -> None:
+        await self._session(session_id, principal)
 
-    def _session(self, session_id: Any, principal: Principal) -> str:
+    async def _session(self, session_id: Any, principal: Principal) -> str:
         """A session of this process, or one an earlier process made (its SDK goes on after
-        a restart: its runs are made again from the journal). A session is its maker's
-        project's: another project's key is told there is none."""
+        a restart: its runs are made again from the journal), of the project recorded when
+        it was made. A session is its maker's project's: another project's key is told there
+        is none. An id of the sessions' form that no row records (made before they were
+        recorded) becomes the first key's that uses it, and is recorded so."""
         session_id = str(session_id)
         owner = self.tinker_sessions.get(session_id)
         if owner is None and re.fullmatch(SESSION_PATTERN, session_id):
-            owner = self.tinker_sessions[session_id] = principal.owner
+            async with self.sessions() as session:
+                row = await session.get(TinkerSessionRow, session_id)
+                if row is None:
+                    session.add(TinkerSessionRow(session_id=session_id, project_id=principal.owner))
+                    try:
+                        await session.commit()
+                    except IntegrityError:  # another request recorded it first: its owner
+                        await session.rollback()
+                        row = await session.get(TinkerSessionRow, session_id)
+                owner = principal.owner if row is None else row.project_id
+            self.tinker_sessions[session_id] = owner
         if owner is None or not visible(owner, principal):
             raise TinkerError(404, f"session_id: no session {session_id!r}")
         return session_id
 
     async def capabilities(self, principal: Principal) -> list[dict[str, Any]]:
-        """The cpu models the key sees (its project's; every one for an admin key)."""
+        """The cpu models the key may name as a base: its project's (every one for an admin
+        key) and the operator's (`operator_base`)."""
         query = select(ModelRow).where(ModelRow.backend == "cpu")
         if principal.sees is not None:
-            query = query.where(ModelRow.project_id == principal.sees)
+            operators = and_(ModelRow.name == DEMO, ModelRow.project_id == DEFAULT_PROJECT_ID)
+            query = query.where(or_(ModelRow.project_id == principal.sees, operators))
         async with self.sessions() as session:
             rows = (await session.scalars(query)).all()
         return [
@@ -174,10 +209,12 @@ class TinkerService:
         self, base_model: str, principal: Principal = ADMIN
     ) -> tuple[str, str | None]:
         """The local directory of `base_model` and its project: a registered cpu model's
-        name the key sees, or a directory the cpu backend may load (no project: any key may
-        name one)."""
+        name the key sees, or one the operator provides (`operator_base`), or a directory the
+        cpu backend may load (no project for these two: any key may name them)."""
         async with self.sessions() as session:
             row = await session.get(ModelRow, base_model)
+        if row is not None and operator_base(row):
+            return row.base_model, None
         if row is not None and not visible(row.project_id, principal):
             row = None  # another project's model: as if there were none
         if row is not None:
@@ -202,7 +239,7 @@ class TinkerService:
 
     async def create_model(self, body: dict[str, Any], principal: Principal) -> tuple[str, str]:
         """A new training run of the key's project: its future's request id, its model id."""
-        session_id = self._session(body.get("session_id", ""), principal)
+        session_id = await self._session(body.get("session_id", ""), principal)
         seq = body.get("model_seq_id")
         lora_body = body.get("lora_config") or {}
         rank = lora_body.get("rank", 32)
@@ -581,7 +618,7 @@ class TinkerService:
         path = body.get("path")
         row, _ = await self._checkpoint(path, principal=principal)
         if body.get("session_id") is not None:
-            session_id = self._session(body["session_id"], principal)
+            session_id = await self._session(body["session_id"], principal)
             lora = lora_of(row)
             base = str(body.get("base_model") or row.base_model)
             base_dir, _ = await self.resolve_base(base, principal)
@@ -634,7 +671,12 @@ class TinkerService:
         sampler_id = f"sampler-{secrets.token_hex(6)}"
         async with self.sessions() as session:
             session.add(
-                TinkerSamplerRow(sampler_id=sampler_id, base_model=base_model, model_path=path)
+                TinkerSamplerRow(
+                    sampler_id=sampler_id,
+                    base_model=base_model,
+                    model_path=path,
+                    project_id=source.get("project_id"),
+                )
             )
             await session.commit()
         return self._add_sampler(Sampler(sampler_id, base_model, path, **source))
@@ -661,7 +703,10 @@ class TinkerService:
         if not base:
             raise TinkerError(400, "base_model: required when model_path is not given")
         _, project_id = await self.resolve_base(str(base), principal)
-        made = await self._new_sampler(str(base), None, run=None, project_id=project_id)
+        # A registered base model's project, else (the operator's: a directory, `demo`) the
+        # key's: a sampler is always some project's.
+        owner = project_id or principal.owner
+        made = await self._new_sampler(str(base), None, run=None, project_id=owner)
         return made.sampler_id
 
     async def _from_path(
@@ -729,7 +774,7 @@ class TinkerService:
         if row is None:
             return None
         if row.model_path is None:
-            project_id = None if base is None else base.project_id
+            project_id = row.project_id or (None if base is None else base.project_id)
             sampler = Sampler(sampler_id, row.base_model, None, run=None, project_id=project_id)
             return self._add_sampler(sampler)
         base_model, source = await self._from_path(row.model_path, "sampling_session_id")

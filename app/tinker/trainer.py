@@ -17,8 +17,10 @@ Losses (per target token t, `lp` the model's logprob of the target, summed over 
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +75,7 @@ def forward_backward(
 ) -> tuple[list[dict[str, np.ndarray]], dict[str, float]]:
     """Each datum's target logprobs and elementwise loss; with `backward`, its gradient is
     added to the adapter's. Call with `policy.lock` held."""
+    training_weights(policy)
     outputs: list[dict[str, np.ndarray]] = []
     total = 0.0
     model = policy.model
@@ -103,6 +106,7 @@ def forward_backward(
 
 def optim_step(policy: Policy, adam: dict[str, Any]) -> dict[str, float]:
     """One AdamW step on the accumulated gradients, then clear them."""
+    training_weights(policy)
     params = [p for p in policy.model.parameters() if p.requires_grad]
     lr, betas = float(adam["learning_rate"]), (float(adam["beta1"]), float(adam["beta2"]))
     if policy.optimizer is None:
@@ -128,34 +132,73 @@ def optim_step(policy: Policy, adam: dict[str, Any]) -> dict[str, float]:
 
 def adapter_state(policy: Policy) -> dict[str, torch.Tensor]:
     """A copy of the adapter's weights: what a sampler made now keeps sampling from."""
+    training_weights(policy)
+    return _state(policy)
+
+
+def _state(policy: Policy) -> dict[str, torch.Tensor]:
     from peft import get_peft_model_state_dict
 
     state = get_peft_model_state_dict(policy.model, save_embedding_layers=False)
     return {k: v.detach().clone() for k, v in state.items()}
 
 
+@dataclass
+class _Swapped:
+    """A sampler's weights left in the adapter after it sampled (`loaded`), and the
+    adapter's own weights (`live`) to put back before anything else uses the adapter (None:
+    `loaded` equals them, nothing to put back)."""
+
+    live: dict[str, torch.Tensor] | None
+    loaded: dict[str, torch.Tensor]
+
+
+# Policies whose adapter holds a sampler's weights, not their own (see `weights_of`).
+_SWAPPED: weakref.WeakKeyDictionary[Policy, _Swapped] = weakref.WeakKeyDictionary()
+
+
+def training_weights(policy: Policy) -> None:
+    """Put the adapter's own weights back if a sampler's are in it: called first by every
+    operation that trains, saves, loads or reads the adapter. Call with `policy.lock` held."""
+    swapped = _SWAPPED.pop(policy, None)
+    if swapped is not None and swapped.live is not None:
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(policy.model, swapped.live)
+
+
 @contextmanager
 def weights_of(policy: Policy, weights: dict[str, torch.Tensor] | None) -> Iterator[None]:
-    """The model with `weights` as its adapter (None: the base model, adapter off), the
-    adapter's own weights restored afterwards. Call with `policy.lock` held."""
+    """The model with `weights` as its adapter (None: the base model, adapter off). Call
+    with `policy.lock` held. The weights stay in the adapter afterwards, so that a sampler
+    that samples again (an RL step's many `sample` calls) loads nothing; the adapter's own
+    weights are kept aside and put back by `training_weights` before the run's next
+    operation. A sampler whose weights are the adapter's own loads nothing either."""
     from peft import set_peft_model_state_dict
 
     if weights is None:
         with policy.model.disable_adapter():
             yield
         return
-    live = adapter_state(policy)
-    if all(
-        k in live and live[k].device == v.device and torch.equal(live[k], v)
-        for k, v in weights.items()
-    ):
+    swapped = _SWAPPED.get(policy)
+    if swapped is not None and swapped.loaded is weights:
         yield
         return
+    if swapped is not None and swapped.live is None:  # the adapter's own weights are in it
+        swapped.live = _state(policy)
+    if swapped is None:
+        live = _state(policy)
+        if all(
+            k in live and live[k].device == v.device and torch.equal(live[k], v)
+            for k, v in weights.items()
+        ):
+            _SWAPPED[policy] = _Swapped(None, weights)
+            yield
+            return
+        swapped = _SWAPPED[policy] = _Swapped(live, weights)
     set_peft_model_state_dict(policy.model, weights)
-    try:
-        yield
-    finally:
-        set_peft_model_state_dict(policy.model, live)
+    swapped.loaded = weights
+    yield
 
 
 def sample(
@@ -284,6 +327,7 @@ def load_state(policy: Policy, directory: Path, *, with_optimizer: bool) -> None
     gradient pending. Without the optimizer's state the next step starts a fresh AdamW."""
     from peft import set_peft_model_state_dict
 
+    training_weights(policy)
     set_peft_model_state_dict(policy.model, read_adapter(directory, policy.device))
     policy.model.zero_grad(set_to_none=True)
     policy.optimizer = None
