@@ -1,7 +1,7 @@
 """tinker owners: the project of each Tinker session and sampling session
 
 Revision ID: 0017
-Revises: 0015
+Revises: 0016
 Create Date: 2026-12-06
 
 `tinker_sessions`: one row per session the SDK made (`create_session`), with the project of
@@ -20,7 +20,7 @@ from alembic import op
 import app.db
 
 revision: str = "0017"
-down_revision: str | None = "0015"
+down_revision: str | None = "0016"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
