@@ -11,6 +11,7 @@ import pytest
 from tests import factories as f
 from tests.processes import until
 from tests.test_projects import FRESH, ROOT, bearer, key, project
+from tests.test_usage import _job
 
 
 def sample(text: str, name: str, **labels: str) -> float:
@@ -18,16 +19,6 @@ def sample(text: str, name: str, **labels: str) -> float:
     wanted = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
     match = re.search(rf"^{re.escape(name)}\{{{re.escape(wanted)}\}} (\S+)$", text, re.M)
     return float(match.group(1)) if match else 0.0
-
-
-async def _submit(c, headers, model: str) -> str:
-    made = await c.post(
-        "/v1/training-jobs",
-        json={"model": model, "collection": f.nat_collection()},
-        headers=headers,
-    )
-    assert made.status_code == 202, made.text
-    return str(made.json()["id"])
 
 
 async def test_counters_by_project_grow_as_jobs_end(serve) -> None:
@@ -41,13 +32,13 @@ async def test_counters_by_project_grow_as_jobs_end(serve) -> None:
             assert made.status_code == 201, made.text
         slow = f.model_body("b-slow", seconds_per_step=600)
         assert (await c.post("/v1/models", json=slow, headers=b_write)).status_code == 201
-        before = await _submit(c, a_write, "a1")  # before the first scrape: not counted
+        before = await _job(c, a_write, "a1")  # before the first scrape: not counted
         first = await c.get("/metrics", headers=ROOT)
         assert first.status_code == 200, first.text
         assert "trainyard_project_jobs_submitted_total{" not in first.text
-        done = [await _submit(c, a_write, "a1"), await _submit(c, a_write, "a1")]
-        done.append(await _submit(c, b_write, "b1"))
-        stopped = await _submit(c, b_write, "b-slow")
+        done = [await _job(c, a_write, "a1"), await _job(c, a_write, "a1")]
+        done.append(await _job(c, b_write, "b1"))
+        stopped = await _job(c, b_write, "b-slow")
 
         async def status(job_id: str) -> str:
             return str((await c.get(f"/v1/training-jobs/{job_id}", headers=ROOT)).json()["status"])
