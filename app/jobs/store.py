@@ -644,6 +644,18 @@ class SqliteStore(QueueStore):
         return _claim(row, job, token=token, owner=owner, start_step=start_step)
 
 
+def _postgres_fit(capabilities: Capabilities | None) -> dict[str, Any]:
+    """A Postgres claim's parameters for the worker's pool, backends and labels (none: any
+    job)."""
+    if capabilities is None:
+        return {}
+    return {
+        "w_pool": capabilities.pool,
+        "w_backends": list(capabilities.backends),
+        "w_labels": dict(capabilities.labels),
+    }
+
+
 class PostgresStore(QueueStore):
     """Many processes: a claim and a final write are one statement each, outside a
     transaction, each committed by itself in one round trip. Leases run on the database's
@@ -690,13 +702,7 @@ class PostgresStore(QueueStore):
         was taken, or by this transaction, so no two claimers both see the last free slot.
         """
         fitted = capabilities is not None
-        fit: dict[str, Any] = {}
-        if capabilities is not None:
-            fit = {
-                "w_pool": capabilities.pool,
-                "w_backends": list(capabilities.backends),
-                "w_labels": dict(capabilities.labels),
-            }
+        fit = _postgres_fit(capabilities)
         if not await self._any_running_quota():
             async with self.engine.connect() as conn:
                 conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
@@ -731,13 +737,7 @@ class PostgresStore(QueueStore):
         (the caller's `claim` takes the children then)."""
         if await self._any_running_quota():
             return []
-        fit: dict[str, Any] = {}
-        if capabilities is not None:
-            fit = {
-                "w_pool": capabilities.pool,
-                "w_backends": list(capabilities.backends),
-                "w_labels": dict(capabilities.labels),
-            }
+        fit = _postgres_fit(capabilities)
         statement = statements.claim_statement(capabilities is not None, statements.Quota.UNLIMITED)
         return await self._looks(conn, statement, owner, lease_seconds, limit, fit, savepoints=True)
 
