@@ -18,7 +18,7 @@ from app.db import create_engine, utcnow, write_connection
 from app.jobs import quotas
 from app.jobs.lifecycle import Succeeded
 from app.jobs.statements import jobs, projects
-from app.jobs.store import QueueStore, store_for
+from app.jobs.store import PostgresStore, QueueStore, store_for
 from tests import factories as f
 from tests.test_projects import FRESH, ROOT, bearer, key, project
 from tests.test_store import _job, _model
@@ -131,8 +131,8 @@ async def test_a_running_quota_holds_jobs_queued_and_is_never_passed(store: Queu
 async def _claim_after_quota_change(store: QueueStore) -> list:
     # Postgres: a process rereads whether any project has a running quota every
     # `quota_check_seconds`; a test makes it reread now instead of waiting.
-    if hasattr(store, "_quotas_read_at"):
-        store._quotas_read_at = -float("inf")  # type: ignore[attr-defined]
+    if isinstance(store, PostgresStore):
+        store.forget_quotas()
     return await store.claim(owner="w3", lease_seconds=30, limit=10)
 
 

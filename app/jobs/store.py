@@ -670,6 +670,11 @@ class PostgresStore(QueueStore):
         self._quotas_read_at = -float("inf")
         self._quotas = False
 
+    def forget_quotas(self) -> None:
+        """Read whether any project has a running quota at the next claim (this process
+        has just set one)."""
+        self._quotas_read_at = -float("inf")
+
     async def _any_running_quota(self) -> bool:
         """Whether some project has a running quota (read again every few seconds). While
         a new one is not yet seen, that project's jobs wait: the claim without locks takes
