@@ -44,12 +44,23 @@ def serve(serve: Callable[..., LiveServer], tiny_model: Path) -> Callable[..., L
 
 
 @pytest.fixture(scope="module")
-def policy(tiny_model: Path) -> Any:
-    """A policy like the backend's (same adapter seed): step 0 as it is, later steps loaded
-    from the checkpoints the jobs wrote."""
+def step_zero(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
+    """A policy like the backend's (same adapter seed), built once, and its step 0 saved."""
     from app.backends.cpu_policy import Policy
 
-    return Policy(str(tiny_model), rank=8, alpha=16, seed=0)
+    policy = Policy(str(tiny_model), rank=8, alpha=16, seed=0)
+    saved = tmp_path_factory.mktemp("step-zero")
+    policy.save(saved, 0)
+    return policy, saved
+
+
+@pytest.fixture
+def policy(step_zero: tuple[Any, Path]) -> Any:
+    """The policy at step 0 for each test (a test loads the steps its jobs wrote into it:
+    the next one, the same test on the other dialect included, starts from step 0 again)."""
+    policy, saved = step_zero
+    policy.load(saved, 0)
+    return policy
 
 
 async def register(client: httpx.AsyncClient, base: Path, name: str, backend: str = "cpu") -> None:
