@@ -127,13 +127,14 @@ async def test_pages_are_newest_first_and_filter_as_asked(engine_and_reader: Any
 
 async def test_a_read_job_shows_what_its_orm_row_holds(engine_and_reader: Any) -> None:
     """`read_job` reads columns with a plain statement: the values (JSON decoded, times
-    aware of their zone) are those the ORM loads."""
+    aware of their zone, the model's backend and base model its prices follow) are those
+    the ORM loads."""
     engine, reader = engine_and_reader
     job_id = await _job(engine, team="a")
     async with create_sessionmaker(engine)() as session:
         row = await session.get(JobRow, job_id)
         assert row is not None
-        expected = jobs.JobView.of(row)
+        expected = await jobs.view_of(session, row)
     view = await jobs.read_job(reader, job_id, kind=JobKind.training)
     assert view == expected
     assert view.meta == {"team": "a"} and view.summary == {"num_groups": 1}
