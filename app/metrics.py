@@ -91,10 +91,18 @@ class ProjectCounters:
         if self.cursor is None:  # the first scrape: count from here on
             self.cursor = await session.scalar(last) or 0
             return
+        # The last event this scrape reads, fixed first: the rows are then read up to it,
+        # and the next scrape goes on from it (a bound read twice, by the database's clock
+        # each time, let an event that settled between the two be passed over uncounted).
         window = [job_events.c.id > self.cursor]
         if session.get_bind().dialect.name == "postgresql":
-            settled = database_clock() - timedelta(seconds=self.SETTLE_SECONDS)
+            settled = await session.scalar(
+                select(database_clock() - timedelta(seconds=self.SETTLE_SECONDS))
+            )
             window.append(job_events.c.created_at <= settled)
+        upper = await session.scalar(last.where(*window))
+        if upper is None:
+            return
         rows = (
             await session.execute(
                 select(
@@ -108,16 +116,18 @@ class ProjectCounters:
                     jobs.c.finished_at,
                 )
                 .join(jobs, jobs.c.id == job_events.c.job_id)
-                .where(*window, or_(job_events.c.seq == 1, job_events.c.type.in_(ENDS)))
+                .where(
+                    job_events.c.id > self.cursor,
+                    job_events.c.id <= upper,
+                    or_(job_events.c.seq == 1, job_events.c.type.in_(ENDS)),
+                )
                 .order_by(job_events.c.id)
                 .limit(self.BATCH)
             )
         ).all()
         self._count(rows)
-        if len(rows) == self.BATCH:
-            self.cursor = rows[-1].id
-        else:  # past the events read and those between them that count nothing
-            self.cursor = max(self.cursor, await session.scalar(last.where(*window)) or 0)
+        # Past the events read and those between them that count nothing.
+        self.cursor = rows[-1].id if len(rows) == self.BATCH else upper
 
     def _count(self, rows: Any) -> None:
         """Summed per label set first: a counter's `inc` costs more than the row's read."""
