@@ -106,14 +106,7 @@ class JobView:
 
     @property
     def usage(self) -> JobUsage:
-        return job_usage(
-            self.kind,
-            prompt_tokens=self.prompt_tokens,
-            completion_tokens=self.completion_tokens,
-            trained_tokens=self.trained_tokens,
-            started_at=self.started_at,
-            finished_at=self.finished_at,
-        )
+        return job_usage(self)
 
 
 async def view_of(session: AsyncSession, job: JobRow) -> JobView:

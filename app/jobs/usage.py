@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Protocol
 
 from app.db import utcnow
 from app.jobs.lifecycle import JobKind
@@ -59,22 +60,31 @@ def seconds_ran(
     return round(max(0.0, (end - started_at).total_seconds()), 3)
 
 
-def job_usage(
-    kind: str,
-    *,
-    prompt_tokens: int | None,
-    completion_tokens: int | None,
-    trained_tokens: int | None,
-    started_at: datetime | None,
-    finished_at: datetime | None,
-) -> JobUsage:
-    seconds = seconds_ran(started_at, finished_at)
+class Ran(Protocol):
+    """What a job's usage is read from: its row, its view, or a row of a query of them."""
+
+    @property
+    def kind(self) -> str: ...
+    @property
+    def prompt_tokens(self) -> int | None: ...
+    @property
+    def completion_tokens(self) -> int | None: ...
+    @property
+    def trained_tokens(self) -> int | None: ...
+    @property
+    def started_at(self) -> datetime | None: ...
+    @property
+    def finished_at(self) -> datetime | None: ...
+
+
+def job_usage(job: Ran) -> JobUsage:
+    seconds = seconds_ran(job.started_at, job.finished_at)
     return JobUsage(
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        trained_tokens=trained_tokens,
-        trainer_seconds=seconds if kind in TRAINER_KINDS else None,
-        rollout_seconds=seconds if kind in ROLLOUT_KINDS else None,
+        prompt_tokens=job.prompt_tokens,
+        completion_tokens=job.completion_tokens,
+        trained_tokens=job.trained_tokens,
+        trainer_seconds=seconds if job.kind in TRAINER_KINDS else None,
+        rollout_seconds=seconds if job.kind in ROLLOUT_KINDS else None,
     )
 
 

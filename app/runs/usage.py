@@ -44,14 +44,5 @@ def usage_by_run(runs: Sequence[JobRow], children: Sequence[Any]) -> dict[str, J
         run_id = run_of(row.id)
         if run_id is None:
             continue
-        parts[run_id].append(
-            job_usage(
-                row.kind,
-                prompt_tokens=row.prompt_tokens,
-                completion_tokens=row.completion_tokens,
-                trained_tokens=row.trained_tokens,
-                started_at=row.started_at,
-                finished_at=row.finished_at,
-            )
-        )
+        parts[run_id].append(job_usage(row))
     return {run.id: summed(parts.get(run.id, [])) for run in runs}
