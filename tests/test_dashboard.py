@@ -187,6 +187,36 @@ def test_a_401_asks_for_the_key_and_then_the_lists_show(browser, server, tmp_pat
     assert count(browser, "#api-key") == 0 and KEY not in browser.current_url
 
 
+# Put before the dashboard's scripts: every fetch waits until the test lets it go.
+HOLD = """
+window.held = [];
+const real = window.fetch.bind(window);
+window.fetch = (...args) => window.holding === false ? real(...args)
+  : new Promise((resolve, reject) => window.held.push(() => real(...args).then(resolve, reject)));
+window.release = () => { window.holding = false; window.held.splice(0).forEach((go) => go()); };
+"""
+
+
+def test_a_key_given_while_a_keyless_request_is_out_is_used_not_dropped(browser, server) -> None:
+    """The page's first request goes out without a key; the key is given before its 401
+    comes back. The 401 refused no key, so the page is drawn with the key given, not the key
+    form with the key thrown away (seen as a test's key lost under load)."""
+    url, _ = server
+    browser.get(f"{url}/healthz")  # the service's origin, outside the dashboard
+    browser.execute_script("sessionStorage.clear()")
+    hold = browser.execute_cdp_cmd("Page.addScriptToEvaluateOnNewDocument", {"source": HOLD})
+    try:
+        browser.get(f"{url}/dashboard/#/models")
+        wait(browser, lambda d: d.execute_script("return window.held.length"), "a request held")
+        browser.execute_script("sessionStorage.setItem('trainyard.apiKey', arguments[0])", KEY)
+        browser.execute_script("window.release()")
+    finally:
+        browser.execute_cdp_cmd("Page.removeScriptToEvaluateOnNewDocument", hold)
+    wait(browser, lambda d: count(d, "[data-model='demo']"), "the demo model's card")
+    assert count(browser, "#api-key") == 0
+    assert browser.execute_script("return sessionStorage.getItem('trainyard.apiKey')") == KEY
+
+
 def run_body(max_steps: int) -> dict[str, Any]:
     """The toy task on the demo model: the reward is 1 when the one-token answer is a digit."""
     examples = [

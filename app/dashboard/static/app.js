@@ -2,7 +2,7 @@
 // put on the page through textContent and DOM calls, never as HTML: a job's metadata is
 // whatever its submitter wrote.
 import {
-  API, FINAL, KEY, LIST_SECONDS, Unauthorized, api, badge, details, facts, h, headers, json, link, metricsAfter, num, progressBar,
+  FINAL, KEY, LIST_SECONDS, Unauthorized, api, authorized, badge, details, facts, h, json, link, metricsAfter, num, progressBar,
   redraw, runStep, table, when,
 } from "./base.js";
 import { lineChart } from "./chart.js";
@@ -38,8 +38,7 @@ async function stream(path, { signal, onEvent, ended }) {
     try {
       const extra = { Accept: "text/event-stream" };
       if (last) extra["Last-Event-ID"] = String(last);
-      const response = await fetch(new URL(path, API), { signal, cache: "no-store", headers: headers(extra) });
-      if (response.status === 401) throw new Unauthorized();
+      const response = await authorized(path, { signal, headers: extra });
       if (!response.ok) throw new Error(`stream: ${response.status}`);
       const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
       let buffer = "";
@@ -58,7 +57,7 @@ async function stream(path, { signal, onEvent, ended }) {
       if (await ended()) return;
     } catch (error) {
       if (signal.aborted) return;
-      if (error instanceof Unauthorized) return showKey();
+      if (error instanceof Unauthorized) return refused(error);
       delay = Math.min(delay * 2, 10000);
     }
     await new Promise((resolve) => setTimeout(resolve, delay));
@@ -336,8 +335,14 @@ function showKey() {
   document.body.dataset.auth = "needed";
 }
 
+// A key given after the refused request was sent has not been tried: the page is drawn again
+// with it (the key form would otherwise drop it).
+function refused(error) {
+  return sessionStorage.getItem(KEY) === error.key ? showKey() : render();
+}
+
 function failed(error) {
-  if (error instanceof Unauthorized) return showKey();
+  if (error instanceof Unauthorized) return refused(error);
   if (error?.name === "AbortError") return;
   const alert = document.getElementById("alert") || main.appendChild(h("p", { id: "alert", class: "error", role: "alert" }));
   alert.textContent = String(error.message || error); // one alert, however often a poll fails

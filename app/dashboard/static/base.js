@@ -53,16 +53,23 @@ export function table(headers, rows) {
 
 // ---------------------------------------------------------------- the API and the key
 
-export class Unauthorized extends Error {}
+// A 401 names the key its request carried (null: none), so that a request sent before the
+// person gave a key does not take that key for refused.
+export class Unauthorized extends Error {
+  constructor(key) { super("the service refused the key"); this.key = key; }
+}
 
-export function headers(extra = {}) {
+// fetch with the key the person gave, read when the request is sent.
+export async function authorized(path, { headers = {}, ...init } = {}) {
   const key = sessionStorage.getItem(KEY);
-  return key ? { ...extra, Authorization: `Bearer ${key}` } : extra;
+  if (key) headers = { ...headers, Authorization: `Bearer ${key}` };
+  const response = await fetch(new URL(path, API), { ...init, cache: "no-store", headers });
+  if (response.status === 401) throw new Unauthorized(key);
+  return response;
 }
 
 export async function api(path, { method = "GET", signal } = {}) {
-  const response = await fetch(new URL(path, API), { method, signal, cache: "no-store", headers: headers({ Accept: "application/json" }) });
-  if (response.status === 401) throw new Unauthorized();
+  const response = await authorized(path, { method, signal, headers: { Accept: "application/json" } });
   const body = await response.json().catch(() => null);
   if (!response.ok) throw new Error(`${response.status}: ${body?.detail || body?.title || response.statusText}`);
   return body;
