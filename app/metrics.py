@@ -8,7 +8,6 @@ from __future__ import annotations
 import time
 from collections import Counter as Counter_
 from collections.abc import Awaitable, Callable
-from datetime import timedelta
 from typing import Any, cast
 
 from prometheus_client import (
@@ -19,7 +18,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from sqlalchemy import Table, case, func, or_, select
+from sqlalchemy import BigInteger, Table, Text, case, func, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from starlette.requests import Request
 from starlette.responses import Response
@@ -27,7 +26,6 @@ from starlette.responses import Response
 from app.backends.admission import Admission
 from app.db import utcnow
 from app.jobs import pools
-from app.jobs.events import database_clock
 from app.jobs.lifecycle import VOCABULARY, EventType, JobStatus
 from app.models import JobEventRow, JobRow, WebhookDeliveryRow, WebhookEndpointRow
 from app.tenants.usage import ROLLOUT_KINDS, TRAINER_KINDS
@@ -51,13 +49,18 @@ class ProjectCounters:
     at most `BATCH` of them (what is left waits for the next) and never scans the jobs.
 
     They count from the process's first scrape (a counter's reset, to Prometheus). Every
-    API replica reads the same log: aggregate replicas with `max`, not `sum`. On Postgres
-    an event's id is taken before its transaction commits, so a scrape reads only events
-    `SETTLE_SECONDS` old (a write transaction never lasts that long here): one that
-    commits late is not skipped. SQLite has one writer: ids come in commit order."""
+    API replica reads the same log: aggregate replicas with `max`, not `sum`.
+
+    On Postgres an event's id is taken when it is inserted, not when its transaction
+    commits: an id below the last one seen can still appear. A scrape notes the highest
+    id it sees and its snapshot's `xmax` (every transaction that could have inserted up to
+    that id has an xid below it); once a later snapshot's `xmin` has passed that `xmax`,
+    all those transactions have ended, and the events up to that id are read. No clock is
+    trusted: a transaction held open anywhere in the cluster delays the counters, and
+    none is lost. SQLite has one writer: ids come in commit order."""
 
     BATCH = 10_000
-    SETTLE_SECONDS = 5.0
+    PENDING = 64  # scrapes waiting for their transactions to end; past it, the last is replaced
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.submitted = Counter(
@@ -85,23 +88,18 @@ class ProjectCounters:
             registry=registry,
         )
         self.cursor: int | None = None  # the last event read
+        self.settled = 0  # every event up to this id is committed or never will be
+        self.pending: list[tuple[int, int]] = []  # (xmax, highest id) of earlier scrapes
 
     async def read(self, session: AsyncSession) -> None:
-        last = select(func.max(job_events.c.id))
+        top, xmin = await self._snapshot(session)
         if self.cursor is None:  # the first scrape: count from here on
-            self.cursor = await session.scalar(last) or 0
+            self.cursor = self.settled = top
             return
-        # The last event this scrape reads, fixed first: the rows are then read up to it,
-        # and the next scrape goes on from it (a bound read twice, by the database's clock
-        # each time, let an event that settled between the two be passed over uncounted).
-        window = [job_events.c.id > self.cursor]
-        if session.get_bind().dialect.name == "postgresql":
-            settled = await session.scalar(
-                select(database_clock() - timedelta(seconds=self.SETTLE_SECONDS))
-            )
-            window.append(job_events.c.created_at <= settled)
-        upper = await session.scalar(last.where(*window))
-        if upper is None:
+        # Postgres: the scrapes whose transactions have all ended since.
+        while self.pending and self.pending[0][0] <= xmin:
+            self.settled = max(self.settled, self.pending.pop(0)[1])
+        if self.settled <= self.cursor:
             return
         rows = (
             await session.execute(
@@ -118,7 +116,7 @@ class ProjectCounters:
                 .join(jobs, jobs.c.id == job_events.c.job_id)
                 .where(
                     job_events.c.id > self.cursor,
-                    job_events.c.id <= upper,
+                    job_events.c.id <= self.settled,
                     or_(job_events.c.seq == 1, job_events.c.type.in_(ENDS)),
                 )
                 .order_by(job_events.c.id)
@@ -127,7 +125,28 @@ class ProjectCounters:
         ).all()
         self._count(rows)
         # Past the events read and those between them that count nothing.
-        self.cursor = rows[-1].id if len(rows) == self.BATCH else upper
+        self.cursor = rows[-1].id if len(rows) == self.BATCH else self.settled
+
+    async def _snapshot(self, session: AsyncSession) -> tuple[int, int]:
+        """The highest event id visible now, and the xmin of the snapshot it was read in.
+        On SQLite every visible event is settled at once; on Postgres it waits in
+        `pending` with its snapshot's xmax."""
+        top = select(func.max(job_events.c.id)).scalar_subquery()
+        if session.get_bind().dialect.name != "postgresql":
+            highest = await session.scalar(select(top)) or 0
+            self.settled = max(self.settled, highest)
+            return highest, 0
+        snapshot = func.pg_current_snapshot()
+        xid = [
+            func.pg_snapshot_xmin(snapshot).cast(Text).cast(BigInteger),  # xid8 has no int cast
+            func.pg_snapshot_xmax(snapshot).cast(Text).cast(BigInteger),
+        ]
+        row = (await session.execute(select(top, *xid))).one()  # one statement: one snapshot
+        highest, xmin, xmax = row[0] or 0, int(row[1]), int(row[2])
+        if len(self.pending) == self.PENDING:
+            self.pending.pop()  # the newer scrape settles more, only later
+        self.pending.append((xmax, highest))
+        return highest, xmin
 
     def _count(self, rows: Any) -> None:
         """Summed per label set first: a counter's `inc` costs more than the row's read."""

@@ -5,12 +5,23 @@ name every project and model). Over real HTTP, with a real worker, on both diale
 from __future__ import annotations
 
 import re
+from datetime import timedelta
 
 import pytest
+from prometheus_client import CollectorRegistry
+from sqlalchemy import Interval, literal, update
+from sqlalchemy.ext.asyncio import async_sessionmaker
 
+from app.db import write_connection
+from app.jobs.lifecycle import JobKind
+from app.jobs.store import QueueStore, enqueue, new_job
+from app.metrics import ProjectCounters, job_events
+from app.models import DEFAULT_PROJECT_ID
 from tests import factories as f
 from tests.processes import until
 from tests.test_projects import FRESH, ROOT, bearer, key, project
+from tests.test_store import _job as _stored_job
+from tests.test_store import _model, _payload
 from tests.test_usage import _job
 
 
@@ -57,7 +68,7 @@ async def test_counters_by_project_grow_as_jobs_end(serve) -> None:
             cancelled = sample(text, finished, project=b, kind="training", status="cancelled")
             return text if cancelled == 1 else None
 
-        # Postgres: the events settle first (`ProjectCounters.SETTLE_SECONDS`).
+        # Postgres: an event counts once the transactions open when it was seen have ended.
         text = await until(scraped, what="the cancel counted")
         submitted = "trainyard_project_jobs_submitted_total"
         assert sample(text, submitted, project=a, kind="training") == 2
@@ -76,6 +87,55 @@ async def test_counters_by_project_grow_as_jobs_end(serve) -> None:
         # Counters only grow: a scrape with nothing new leaves them as they were.
         again = (await c.get("/metrics", headers=ROOT)).text
         assert sample(again, submitted, project=a, kind="training") == 2
+
+
+async def test_a_submission_committed_after_a_later_one_was_scraped_still_counts(
+    store: QueueStore,
+) -> None:
+    """Postgres takes an event's id at its insert: a submission still in its transaction
+    holds a lower id than one made and committed after it. Scrapes taken meanwhile count
+    neither; once the first commits, both count, once."""
+    if store.engine.dialect.name != "postgresql":
+        pytest.skip("SQLite has one writer: its ids come in commit order")
+    registry = CollectorRegistry()
+    counters = ProjectCounters(registry)
+    sessions = async_sessionmaker(store.engine)
+    labels = {"project": DEFAULT_PROJECT_ID, "kind": "training"}
+
+    async def scrape() -> float:
+        async with sessions() as session:
+            await counters.read(session)
+        return registry.get_sample_value("trainyard_project_jobs_submitted_total", labels) or 0
+
+    await _model(store, "m")
+    await scrape()  # the first scrape: counts from here on
+    early = new_job(
+        JobKind.training,
+        model="m",
+        payload=_payload(),
+        summary={"num_groups": 1},
+        request_hash="h",
+        max_attempts=1,
+    )
+    # Both events stamped a minute old: as if the first transaction had stalled that long
+    # before its commit (no allowance of time is long enough for every stall).
+    aged = update(job_events).values(
+        created_at=job_events.c.created_at - literal(timedelta(minutes=1), Interval)
+    )
+    async with write_connection(store.engine) as open_:
+        await enqueue(open_, early)  # its event's id is taken; not committed
+        await open_.execute(aged.where(job_events.c.job_id == early.id))
+        later = await _stored_job(store, "m")  # a higher id, committed
+        async with write_connection(store.engine) as conn:
+            await conn.execute(aged.where(job_events.c.job_id == later))
+        for _ in range(3):
+            assert await scrape() == 0
+    await until(lambda: _is_count(scrape(), 2), what="both submissions counted")
+    assert await scrape() == 2
+
+
+async def _is_count(value, expected: float) -> bool:
+    return await value == expected
 
 
 async def _is(value, expected: str) -> bool:
