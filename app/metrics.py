@@ -54,10 +54,12 @@ class ProjectCounters:
     On Postgres an event's id is taken when it is inserted, not when its transaction
     commits: an id below the last one seen can still appear. A scrape notes the highest
     id it sees and its snapshot's `xmax` (every transaction that could have inserted up to
-    that id has an xid below it); once a later snapshot's `xmin` has passed that `xmax`,
-    all those transactions have ended, and the events up to that id are read. No clock is
-    trusted: a transaction held open anywhere in the cluster delays the counters, and
-    none is lost. SQLite has one writer: ids come in commit order."""
+    that id has an xid below it: an event is inserted after its transaction has written its
+    job's row, the event counter, so the transaction holds its xid before the event takes
+    its id). Once a later snapshot's `xmin` has passed that `xmax`, all those transactions
+    have ended, and the events up to that id are read. No clock is trusted: a transaction
+    held open anywhere in the cluster delays the counters, and none is lost. SQLite has
+    one writer: ids come in commit order."""
 
     BATCH = 10_000
     PENDING = 64  # scrapes waiting for their transactions to end; past it, the last is replaced
