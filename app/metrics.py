@@ -94,11 +94,14 @@ class ProjectCounters:
         self.pending: list[tuple[int, int]] = []  # (xmax, highest id) of earlier scrapes
 
     async def read(self, session: AsyncSession) -> None:
-        top, xmin = await self._snapshot(session)
+        top, xmin, xmax = await self._snapshot(session)
+        if len(self.pending) == self.PENDING:
+            self.pending.pop()  # the newer scrape settles more, only later
+        self.pending.append((xmax, top))
         if self.cursor is None:  # the first scrape: count from here on
             self.cursor = self.settled = top
             return
-        # Postgres: the scrapes whose transactions have all ended since.
+        # The scrapes whose transactions have all ended since (this one too, if none was open).
         while self.pending and self.pending[0][0] <= xmin:
             self.settled = max(self.settled, self.pending.pop(0)[1])
         if self.settled <= self.cursor:
@@ -129,26 +132,26 @@ class ProjectCounters:
         # Past the events read and those between them that count nothing.
         self.cursor = rows[-1].id if len(rows) == self.BATCH else self.settled
 
-    async def _snapshot(self, session: AsyncSession) -> tuple[int, int]:
-        """The highest event id visible now, and the xmin of the snapshot it was read in.
-        On SQLite every visible event is settled at once; on Postgres it waits in
-        `pending` with its snapshot's xmax."""
+    @staticmethod
+    async def _snapshot(session: AsyncSession) -> tuple[int, int, int]:
+        """The highest event id visible now, and the xmin and xmax of the snapshot it was
+        read in. SQLite has no transaction open beside a reader's: (0, 0), settled at once."""
         top = select(func.max(job_events.c.id)).scalar_subquery()
         if session.get_bind().dialect.name != "postgresql":
-            highest = await session.scalar(select(top)) or 0
-            self.settled = max(self.settled, highest)
-            return highest, 0
+            return await session.scalar(select(top)) or 0, 0, 0
         snapshot = func.pg_current_snapshot()
-        xid = [
-            func.pg_snapshot_xmin(snapshot).cast(Text).cast(BigInteger),  # xid8 has no int cast
-            func.pg_snapshot_xmax(snapshot).cast(Text).cast(BigInteger),
-        ]
-        row = (await session.execute(select(top, *xid))).one()  # one statement: one snapshot
-        highest, xmin, xmax = row[0] or 0, int(row[1]), int(row[2])
-        if len(self.pending) == self.PENDING:
-            self.pending.pop()  # the newer scrape settles more, only later
-        self.pending.append((xmax, highest))
-        return highest, xmin
+        row = (
+            await session.execute(
+                select(
+                    top,
+                    func.pg_snapshot_xmin(snapshot)
+                    .cast(Text)
+                    .cast(BigInteger),  # xid8: no int cast
+                    func.pg_snapshot_xmax(snapshot).cast(Text).cast(BigInteger),
+                )  # one statement: one snapshot
+            )
+        ).one()
+        return row[0] or 0, int(row[1]), int(row[2])
 
     def _count(self, rows: Any) -> None:
         """Summed per label set first: a counter's `inc` costs more than the row's read."""
