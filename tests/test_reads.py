@@ -17,7 +17,7 @@ import pytest
 from sqlalchemy import event, select, update
 from sqlalchemy.exc import OperationalError
 
-from app.db import Reader, create_engine, create_sessionmaker, utcnow, write_connection
+from app.db import Lookup, Reader, create_engine, create_sessionmaker, utcnow, write_connection
 from app.errors import NotFoundError
 from app.jobs import service as jobs
 from app.jobs.lifecycle import JobKind, JobStatus
@@ -143,16 +143,47 @@ async def test_a_read_job_shows_what_its_orm_row_holds(engine_and_reader: Any) -
         reader, kind=JobKind.training, status=None, model=None, after=None, limit=5
     )
     assert page == [expected]
+    # Ended: every column that a queued job leaves null holds something (an error, metrics,
+    # times, flags), read as the ORM reads it.
+    now = utcnow()
+    async with write_connection(engine) as conn:
+        await conn.execute(
+            update(jobs_table)
+            .where(jobs_table.c.id == job_id)
+            .values(
+                status="failed",
+                error={"type": "Boom", "message": "ü", "transient": False},
+                metrics={"loss": 0.5},
+                started_at=now,
+                finished_at=now,
+                cancel_requested=True,
+                trained=True,
+                prompt_tokens=7,
+            )
+        )
+    async with create_sessionmaker(engine)() as session:
+        row = await session.get(JobRow, job_id)
+        assert row is not None
+        ended = await jobs.view_of(session, row)
+    view = await jobs.read_job(reader, job_id, kind=JobKind.training)
+    assert view == ended and view.error == {"type": "Boom", "message": "ü", "transient": False}
+    assert view.finished_at == now and view.cancel_requested is True and view.trained is True
 
 
 def _record_statements(reader: Reader) -> list[tuple[str, str]]:
-    """(thread name, first word) of every statement the reader's connections run."""
+    """(thread name, first word) of every statement the reader's connections run, as the
+    driver sees them (SQLite's trace hook): a `Lookup` goes past SQLAlchemy's events."""
     seen: list[tuple[str, str]] = []
 
-    def record(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+    def record(statement: str) -> None:
         seen.append((threading.current_thread().name, statement.split()[0].upper()))
 
-    event.listen(reader._sync, "before_cursor_execute", record)  # type: ignore[arg-type]
+    def traced(dbapi_connection: Any, *_: Any) -> None:
+        dbapi_connection.set_trace_callback(record)
+
+    event.listen(reader._sync, "checkout", traced)  # type: ignore[arg-type]
+    if reader._on_loop is not None:
+        traced(reader._on_loop.connection.driver_connection)
     return seen
 
 
@@ -191,36 +222,63 @@ async def test_on_sqlite_a_page_is_one_statement_in_a_reading_thread(
 
 
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+@pytest.mark.parametrize("form", ["lookup", "statement"])
 async def test_on_sqlite_a_lookup_that_meets_a_lock_is_read_again_in_a_reading_thread(
-    engine_and_reader: Any,
+    engine_and_reader: Any, monkeypatch: pytest.MonkeyPatch, form: str
 ) -> None:
     """WAL readers wait for no writer; SQLite can still answer "database is locked" (a
-    recovery, an exclusive-mode writer). On the loop that fails the read at once, and a
-    reading thread, which may wait, reads it again."""
+    recovery, an exclusive-mode writer, neither of which a test can bring about while the
+    service's own connections hold the file). On the loop that fails the read at once, and
+    a reading thread, which may wait, reads it again. The lock is the driver's error,
+    raised where the loop's read meets the driver: a `Lookup` (a job's GET) and a plain
+    statement."""
     engine, reader = engine_and_reader
     job_id = await _job(engine)
     await jobs.read_job(reader, job_id, kind=JobKind.training)  # opens the loop's connection
-    seen = _record_statements(reader)
     loop_thread = threading.current_thread().name
+    statement: Any = select(jobs_table.c.id).where(jobs_table.c.id == job_id)
+    if form == "lookup":
+        statement = Lookup(statement)
 
-    def locked_on_the_loop(_conn: Any, _cursor: Any, *_: Any) -> None:
-        if threading.current_thread().name == loop_thread:
+        def locked(*_: Any) -> None:
+            assert threading.current_thread().name == loop_thread
             raise sqlite3.OperationalError("database is locked")
 
-    event.listen(reader._sync, "before_cursor_execute", locked_on_the_loop)
-    job = await jobs.read_job(reader, job_id, kind=JobKind.training)
-    assert job.id == job_id
-    assert [verb for _, verb in seen] == ["SELECT", "SELECT"]
-    assert seen[0][0] == loop_thread and seen[1][0].startswith("trainyard-read")
-    event.remove(reader._sync, "before_cursor_execute", locked_on_the_loop)
+        monkeypatch.setattr(Lookup, "first", locked)
+    else:
+
+        def locked_on_the_loop(_conn: Any, _cursor: Any, *_: Any) -> None:
+            if threading.current_thread().name == loop_thread:
+                raise sqlite3.OperationalError("database is locked")
+
+        event.listen(reader._sync, "before_cursor_execute", locked_on_the_loop)
+    seen = _record_statements(reader)
+    assert tuple(await reader.row(statement)) == (job_id,)
+    # The loop's attempt failed before the driver ran it; the thread's ran.
+    assert len(seen) == 1 and seen[0][1] == "SELECT"
+    assert seen[0][0].startswith("trainyard-read")
+    if form == "statement":
+        event.remove(reader._sync, "before_cursor_execute", locked_on_the_loop)
+    monkeypatch.undo()
+    seen.clear()
+    await jobs.read_job(reader, job_id, kind=JobKind.training)  # on the loop again
+    assert seen == [(loop_thread, "SELECT")]
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+async def test_on_sqlite_the_reading_threads_wait_for_a_lock_the_loop_does_not(
+    engine_and_reader: Any,
+) -> None:
+    engine, reader = engine_and_reader
+    await jobs.read_job(reader, await _job(engine), kind=JobKind.training)
     threads = reader._sync.connect()  # type: ignore[union-attr]
     try:  # the threads' connections keep the busy timeout
         assert threads.exec_driver_sql("PRAGMA busy_timeout").scalar() == 5000
     finally:
         threads.close()
-    seen.clear()
-    await jobs.read_job(reader, job_id, kind=JobKind.training)  # on the loop again
-    assert seen == [(loop_thread, "SELECT")]
+    on_loop = reader._on_loop
+    assert on_loop is not None
+    assert on_loop.exec_driver_sql("PRAGMA busy_timeout").scalar() == 0
 
 
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)

@@ -12,7 +12,7 @@ from sqlalchemy import bindparam, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from app.db import Reader, begin_write
+from app.db import Lookup, Reader, begin_write
 from app.errors import ConflictError, InvalidInputError, NotFoundError, field_errors, not_found
 from app.jobs import quotas
 from app.jobs.lifecycle import JobKind, JobStatus, NewJob
@@ -124,9 +124,10 @@ _VIEW = select(
     select(_MODEL.backend).where(_OF_MODEL).scalar_subquery(),
     select(_MODEL.base_model).where(_OF_MODEL).scalar_subquery(),
 )
-_READ_JOB = _VIEW.where(_COLUMNS["id"] == bindparam("id"), _COLUMNS["kind"] == bindparam("kind"))
+_BY_ID = _VIEW.where(_COLUMNS["id"] == bindparam("id"), _COLUMNS["kind"] == bindparam("kind"))
+_READ_JOB = Lookup(_BY_ID)
 """Built once: building a statement costs more than SQLite takes to run it."""
-_READ_PROJECT_JOB = _READ_JOB.where(_COLUMNS["project_id"] == bindparam("project_id"))
+_READ_PROJECT_JOB = Lookup(_BY_ID.where(_COLUMNS["project_id"] == bindparam("project_id")))
 
 
 async def read_job(
