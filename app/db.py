@@ -404,7 +404,15 @@ def _sqlite_reading_engine(url: URL, busy_timeout: float) -> Engine:
 
 
 async def begin_write(session: AsyncSession) -> None:
-    """Start the session's transaction as a writing one (SQLite: BEGIN IMMEDIATE)."""
+    """Start the session's transaction as a writing one (SQLite: BEGIN IMMEDIATE). Call it
+    before the transaction's first statement; in one begun as a writer it does nothing."""
+    if session.in_transaction():
+        connection = await session.connection()
+        if (
+            connection.sync_connection is not None
+            and connection.sync_connection.get_execution_options().get("trainyard_write")
+        ):
+            return
     await session.connection(execution_options=WRITE)
 
 

@@ -9,6 +9,7 @@ start at head without running Alembic. Tests of the migrations themselves take
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import importlib.util
 import os
@@ -21,8 +22,8 @@ from typing import Any, TypeVar
 import httpx
 import pytest
 import uvicorn
-from sqlalchemy import text
-from sqlalchemy.engine import make_url
+from sqlalchemy import event, text
+from sqlalchemy.engine import Engine, make_url
 
 from app.db import create_engine
 from app.jobs.store import QueueStore, store_for
@@ -46,6 +47,65 @@ def run_apart(coroutine: Coroutine[Any, Any, T]) -> T:
     fixtures may be set up while a test's loop runs, and must leave that loop alone."""
     with ThreadPoolExecutor(1) as pool:
         return pool.submit(asyncio.run, coroutine).result()
+
+
+# -- SQLite: no transaction reads, then writes, without having begun as a writer -------------
+# A SQLite transaction begun DEFERRED (`BEGIN`) holds a read snapshot once it reads; its first
+# write must then upgrade the lock, and SQLite refuses that at once ("database is locked", no
+# busy wait) whenever another connection has committed since the read. Every transaction that
+# may write begins IMMEDIATE (`app.db.begin_write`, `write_connection`, `transaction`). This
+# watches every SQLite connection of this process, and fails the test in which one upgraded.
+_DEFERRED, _READ = "deferred", "read"
+_upgrades: list[str] = []
+_transactions: dict[int, str] = {}
+
+
+def _watch(conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+    if conn.dialect.name != "sqlite":
+        return
+    key = id(conn.connection.driver_connection)
+    words = statement.split(None, 2)
+    verb = words[0].upper() if words else ""
+    state = _transactions.get(key)
+    if verb == "BEGIN":
+        _transactions[key] = _DEFERRED if len(words) == 1 else "writer"
+    elif state is None or state == "writer":
+        return
+    elif verb in ("INSERT", "UPDATE", "DELETE", "REPLACE"):
+        if state == _READ:
+            # Through the async driver the stack here stops at SQLAlchemy's greenlet: the
+            # task's name says which work it was (a job, a request), the statement what.
+            with contextlib.suppress(RuntimeError):
+                task = asyncio.current_task()
+                statement = f"{statement[:80]!r} in task {task.get_name() if task else None}"
+            _upgrades.append(statement)
+        _transactions[key] = "writer"
+    elif verb in ("SELECT", "WITH"):
+        _transactions[key] = _READ
+
+
+def _ended(conn: Any) -> None:
+    if conn.dialect.name == "sqlite":
+        with contextlib.suppress(Exception):
+            _transactions.pop(id(conn.connection.driver_connection), None)
+
+
+event.listen(Engine, "before_cursor_execute", _watch)
+event.listen(Engine, "commit", _ended)
+event.listen(Engine, "rollback", _ended)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Any:
+    _upgrades.clear()
+    result = yield
+    if _upgrades:
+        pytest.fail(
+            "a SQLite transaction read, then wrote, without beginning as a writer "
+            "(`app.db.begin_write`): " + "; ".join(_upgrades[:3]),
+            pytrace=False,
+        )
+    return result
 
 
 @pytest.hookimpl(tryfirst=True)

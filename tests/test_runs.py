@@ -444,7 +444,7 @@ async def test_a_run_whose_state_an_earlier_version_wrote_finishes(serve) -> Non
     wrote it (format 1, no `format` key) is read by this one, and the run goes on."""
     from sqlalchemy import text
 
-    from app.db import json_dumps
+    from app.db import json_dumps, write_connection
 
     async with serve() as live:
         client = live.client
@@ -456,7 +456,7 @@ async def test_a_run_whose_state_an_earlier_version_wrote_finishes(serve) -> Non
             client, run["id"], until=lambda r: r["current_jobs"] == [] and r["progress"]["step"]
         )
         engine = live.app.state.engine
-        async with engine.begin() as conn:
+        async with write_connection(engine) as conn:
             raw = (
                 await conn.execute(text("SELECT state FROM runs WHERE id = :id"), {"id": run["id"]})
             ).scalar_one()

@@ -22,7 +22,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from app.db import utcnow
+from app.db import begin_write, utcnow
 from app.models import TinkerOperationRow
 from app.schemas.models import TinkerStep
 from app.tinker.futures import Result
@@ -51,6 +51,11 @@ async def accept(
     before (the SDK sent it again). The caller holds the run's accepting lock, so the
     next `seq` is not taken meanwhile by this process."""
     async with sessions() as session:
+        # It reads, then writes: a writing transaction from the start (SQLite: BEGIN
+        # IMMEDIATE). Begun as a reader, its write failed at once with "database is locked"
+        # whenever another write had committed since its read (`bench.tinker`'s optim_step,
+        # sent while forward_backward's result was being written).
+        await begin_write(session)
         if await session.get(TinkerOperationRow, request_id) is not None:
             return False
         last = await session.scalar(

@@ -35,6 +35,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app.backends.cpu import base_model_refusal
 from app.checkpoints.service import set_alias
+from app.db import begin_write
 from app.errors import ConflictError
 from app.models import (
     DEFAULT_PROJECT_ID,
@@ -171,6 +172,7 @@ class TinkerService:
         owner = self.tinker_sessions.get(session_id)
         if owner is None and re.fullmatch(SESSION_PATTERN, session_id):
             async with self.sessions() as session:
+                await begin_write(session)  # it reads, then may write
                 row = await session.get(TinkerSessionRow, session_id)
                 if row is None:
                     session.add(TinkerSessionRow(session_id=session_id, project_id=principal.owner))
@@ -531,8 +533,7 @@ class TinkerService:
         alias = None if name is None else name if kind == SAMPLER else f"state-{name}"
         weights, step = await asyncio.to_thread(self._save, run)
         async with self.sessions() as session:
-            # The alias first: it begins the writing transaction (after another statement
-            # SQLAlchemy would ignore its BEGIN IMMEDIATE, with a warning).
+            await begin_write(session)
             if alias and re.fullmatch(ALIAS_PATTERN, alias) and alias not in BUILTIN_ALIASES:
                 await set_alias(session, self.backends, name=run.name, alias=alias, step=step)
             # The model's current step is the newest save: `<run>`, `<run>@latest` and
