@@ -139,6 +139,46 @@ async def test_webhook_grader_and_its_errors(serve, tiny_model) -> None:
     assert collection["trajectories"][0][0]["metadata"]["reasoning"] == "parity"
 
 
+async def test_a_rollout_cancelled_while_it_grades_counts_the_tokens_it_sampled(
+    serve, tiny_model
+) -> None:
+    """Its answers were sampled (the model's usage counted them) before the cancel came:
+    the job's usage shows them, as a finished job's would."""
+    grader = FastAPI()
+    asked = asyncio.Event()
+    release = asyncio.Event()
+
+    @grader.post("/grade")
+    async def grade(body: dict[str, Any]) -> Any:
+        asked.set()
+        await release.wait()  # held until the test ends
+        return {"reward": 1.0}
+
+    async with LiveServer(grader) as grading, serve(worker_enabled=True) as live:
+        try:
+            await cpu_model(live.client, tiny_model)
+            response = await live.client.post(
+                "/v1/rollout-jobs",
+                json={
+                    "model": "toy",
+                    "examples": EXAMPLES[:1],
+                    "num_generations": 2,
+                    "sampling": {"max_tokens": 2},
+                    "grader": {"type": "webhook", "url": f"{grading.url}/grade"},
+                },
+            )
+            url = response.headers["location"]
+            await asyncio.wait_for(asked.wait(), PATIENCE)  # sampled; being graded
+            cancel = await live.client.post(f"{url}/cancel")
+            assert cancel.status_code == 200, cancel.text
+            job = await wait_job(live.client, url)
+        finally:
+            release.set()
+    assert job["status"] == "cancelled", job
+    usage = job["usage"]
+    assert usage["prompt_tokens"] > 0 and 0 < usage["completion_tokens"] <= 2 * 2, usage
+
+
 async def test_agent_rollout_runs_the_agents_own_episode(serve, tiny_model) -> None:
     agent = FastAPI()
     calls: list[dict[str, Any]] = []

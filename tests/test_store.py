@@ -16,6 +16,7 @@ from app.jobs.lifecycle import (
     Failed,
     JobKind,
     JobStatus,
+    JobUpdate,
     Released,
     Retry,
     Succeeded,
@@ -220,6 +221,29 @@ async def test_a_retry_after_a_cancel_request_cancels(store: QueueStore) -> None
         "job_cancelled",
         {"while": "retrying", "error": dict(ERROR)},
     )
+
+
+async def test_each_attempts_tokens_count_with_the_earlier_attempts(store: QueueStore) -> None:
+    """A job's tokens are what every attempt used: a retried attempt's are added to the
+    next one's, and a retry that meets a cancel keeps what its attempt sampled."""
+    await _model(store, "a")
+    job_id = await _job(store, "a", JobKind.rollout)
+    [claim] = await _claim(store)
+    sampled = JobUpdate(prompt_tokens=10, completion_tokens=20)
+    assert await store.apply(claim.lease, Retry(ERROR, 0, job=sampled)) == "queued"
+    [claim] = await _claim(store)
+    ended = Succeeded({}, job=JobUpdate(prompt_tokens=1, completion_tokens=2))
+    assert await store.apply(claim.lease, ended) == "succeeded"
+    row = await _row(store, job_id)
+    assert (row.prompt_tokens, row.completion_tokens, row.trained_tokens) == (11, 22, None)
+
+    job_id = await _job(store, "a", JobKind.rollout)
+    [claim] = await _claim(store)
+    async with write_connection(store.engine) as conn:
+        await conn.execute(update(jobs).where(jobs.c.id == job_id).values(cancel_requested=True))
+    assert await store.apply(claim.lease, Retry(ERROR, 0, job=sampled)) == "cancelled"
+    row = await _row(store, job_id)
+    assert (row.prompt_tokens, row.completion_tokens) == (10, 20)
 
 
 async def _expire(store: QueueStore, job_id: str) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pydantic import ValidationError
@@ -20,7 +20,7 @@ from app.backends.base import BackendError, Inference, classify
 from app.egress import EgressClient, EgressPolicy
 from app.evaluations import results, scoring, spec
 from app.evaluations.spec import EvaluationSpec
-from app.jobs.lifecycle import Cancelled, ErrorInfo, EventType, Outcome, Succeeded
+from app.jobs.lifecycle import Cancelled, ErrorInfo, EventType, Failed, Outcome, Retry, Succeeded
 from app.jobs.store import Claim, LeaseState
 from app.jobs.supervise import (
     KindRunner,
@@ -73,6 +73,9 @@ async def run(claim: Claim, ctx: RunContext) -> None:
     )
     try:
         outcome = await _outcome(claim, work, progress, ctx, sink.tokens)
+        if isinstance(outcome, Retry | Failed | Cancelled) and "prompt_tokens" not in outcome.job:
+            # An attempt cancelled or failed part of the way through sampled tokens too.
+            outcome = replace(outcome, job={**outcome.job, **sink.tokens})  # type: ignore[typeddict-item]
     finally:
         if not work.done():
             work.cancel()
@@ -133,8 +136,8 @@ class _Sink:
     job_id: str
     rows: list[dict[str, Any]] = field(default_factory=list)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    # Tokens this attempt sampled (a retry goes on from the examples not yet complete:
-    # what an earlier attempt sampled is not counted).
+    # Tokens this attempt sampled, added to the job's by its final write (a retry goes on
+    # from the examples not yet complete; what each attempt sampled counts).
     tokens: dict[str, int] = field(
         default_factory=lambda: {"prompt_tokens": 0, "completion_tokens": 0}
     )

@@ -185,10 +185,16 @@ class JobUpdate(TypedDict, total=False):
     output_bytes: int | None
     next_job_id: str | None
     finished_at: datetime | None
-    # What the job used (migration 0016): tokens sampled, tokens trained.
+    # What the job used (migration 0016): tokens sampled, tokens trained. Each is what one
+    # attempt used, added to what earlier attempts did (`ADDED_COLUMNS`).
     prompt_tokens: int | None
     completion_tokens: int | None
     trained_tokens: int | None
+
+
+ADDED_COLUMNS = frozenset({"prompt_tokens", "completion_tokens", "trained_tokens"})
+"""A job's columns that a write adds to rather than sets: what an attempt used counts with
+what earlier attempts used (a retried or cancelled rollout sampled tokens too)."""
 
 
 class ModelUpdate(TypedDict, total=False):
@@ -242,10 +248,12 @@ class Failed:
 
 @dataclass(frozen=True)
 class Retry:
-    """Queue the job again after `delay_s` (unless a cancel was asked meanwhile)."""
+    """Queue the job again after `delay_s` (unless a cancel was asked meanwhile). `job`:
+    columns the attempt leaves (the tokens it sampled, `ADDED_COLUMNS`)."""
 
     error: ErrorInfo
     delay_s: float
+    job: JobUpdate = field(default_factory=lambda: JobUpdate())
 
 
 @dataclass(frozen=True)
@@ -254,6 +262,7 @@ class Cancelled:
     data: dict[str, Any] = field(default_factory=dict)
     error: ErrorInfo | None = None
     model: ModelUpdate | None = None
+    job: JobUpdate = field(default_factory=lambda: JobUpdate())  # e.g. the tokens it sampled
 
 
 @dataclass(frozen=True)
@@ -379,14 +388,22 @@ def _plan(words: Vocabulary, outcome: Outcome, attempt: int, now: datetime) -> _
         case Failed(error, data, job):
             event = (words.failed, {"error": error, "attempt": attempt, **data})
             return JobStatus.failed, _with(JobUpdate(error=error), job), event, None, None, False
-        case Retry(error, delay_s):
+        case Retry(error, delay_s, job):
             columns = JobUpdate(
                 error=error, not_before=now + timedelta(seconds=delay_s), lease_owner=None
             )
             data = {"error": error, "attempt": attempt, "delay_s": round(delay_s, 3)}
-            return JobStatus.queued, columns, (EventType.job_retrying, data), None, None, True
-        case Cancelled(while_, data, error, model):
+            return (
+                JobStatus.queued,
+                _with(columns, job),
+                (EventType.job_retrying, data),
+                None,
+                None,
+                True,
+            )
+        case Cancelled(while_, data, error, model, job):
             columns = JobUpdate() if error is None else JobUpdate(error=error)
+            columns.update(job)
             data = {"while": while_, **data} | ({"error": error} if error else {})
             return (
                 JobStatus.cancelled,

@@ -46,7 +46,7 @@ from sqlalchemy.sql.selectable import Select
 from app.db import utcnow
 from app.jobs import outbox
 from app.jobs.events import database_clock
-from app.jobs.lifecycle import EventType, JobKind, JobStatus
+from app.jobs.lifecycle import ADDED_COLUMNS, EventType, JobKind, JobStatus
 from app.models import DEFAULT_PROJECT_ID, JobEventRow, JobRow, ModelRow, ProjectRow, WorkerRow
 from app.settings import DEFAULT_POOL
 
@@ -223,7 +223,8 @@ class LeaseClock(enum.Enum):
 def job_update(
     keys: tuple[str, ...], only_if_expired: bool, unless_cancel: bool, clock: LeaseClock
 ) -> ReturningUpdate[Any]:
-    """Set `v_<key>` on the lease's job and count `g_events` new events, returning the new
+    """Set `v_<key>` on the lease's job (add it, for `ADDED_COLUMNS`) and count `g_events`
+    new events, returning the new
     counter (and the id and project, for `write_in_one`); matches nothing once the lease is lost.
     `only_if_expired`: only while the lease is expired by the lease clock (recovery: its
     worker did not come back); `unless_cancel`: only if no cancel was asked."""
@@ -232,7 +233,12 @@ def job_update(
         extra.append(jobs.c.lease_expires_at < clock.now())
     if unless_cancel:
         extra.append(jobs.c.cancel_requested.is_(False))
-    values: dict[Any, Any] = {key: bindparam(f"v_{key}") for key in keys}
+    values: dict[Any, Any] = {
+        key: func.coalesce(jobs.c[key], 0) + bindparam(f"v_{key}")
+        if key in ADDED_COLUMNS
+        else bindparam(f"v_{key}")
+        for key in keys
+    }
     values |= {
         "last_event_seq": jobs.c.last_event_seq + bindparam("g_events"),
         "updated_at": bindparam("g_now"),

@@ -359,7 +359,7 @@ class QueueStore(ABC):
         """
         written = await self._apply(lease, outcome, earlier, only_if_expired)
         if written is None and isinstance(outcome, Retry):
-            cancelled = Cancelled("retrying", error=outcome.error)
+            cancelled = Cancelled("retrying", error=outcome.error, job=outcome.job)
             written = await self._apply(lease, cancelled, earlier, only_if_expired)
         return written
 

@@ -15,7 +15,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pydantic import ValidationError
@@ -31,6 +31,7 @@ from app.jobs.lifecycle import (
     Failed,
     JobUpdate,
     Outcome,
+    Retry,
     Succeeded,
 )
 from app.jobs.payloads import compress
@@ -128,12 +129,17 @@ async def run(claim: Claim, ctx: RunContext) -> None:
         return
     ctx.signal()
     progress = Progress(EventType.rollout_progress, coalesce=True)
+    # Held here, not only by the work: an attempt cancelled or failed part of the way
+    # through still counts the tokens it sampled.
+    collected = Collected()
     work = asyncio.create_task(
-        _collect(recipe, inference, api_key, progress, ctx.settings),
+        _collect(recipe, inference, api_key, progress, ctx.settings, collected),
         name=f"rollout:{lease.job_id}",
     )
     try:
         outcome = await _outcome(claim, recipe, work, progress, ctx, inference.step)
+        if isinstance(outcome, Retry | Failed | Cancelled) and "prompt_tokens" not in outcome.job:
+            outcome = replace(outcome, job={**outcome.job, **collected.tokens()})
     finally:
         if not work.done():
             work.cancel()
@@ -233,8 +239,8 @@ async def _collect(
     api_key: str | None,
     progress: Progress,
     settings: Settings,
+    collected: Collected,
 ) -> Collected:
-    collected = Collected()
     total = len(body.examples) * body.num_generations
     done = 0
     require_logprobs = _require_logprobs(body)
