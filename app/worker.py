@@ -245,7 +245,9 @@ class Worker:
         # job itself: claim that first. Then move the run on, claiming whatever child the
         # move queues in the move's own transaction.
         run_id = run_of(lease.job_id)
+        refilled = False
         if run_id is not None and not self._stopping.is_set():
+            running = len(self.tasks)
             try:
                 if queues_next(lease.job_id):
                     await self.fill()
@@ -256,7 +258,15 @@ class Worker:
                     log.warning("run %s: not advanced after %s: %s", run_id, lease.job_id, exc)
                 else:
                     log.exception("run %s: advancing it after %s failed", run_id, lease.job_id)
-        self.notifier.jobs_changed()  # a slot is free; the model may have more jobs
+            refilled = len(self.tasks) > running
+        if not refilled:
+            # A slot is free, the model may have more jobs: the loop claims and advances.
+            # Not when the run's next child took the slot: that claim (`fill`, or the move's
+            # `claim_in`) took every eligible job up to this worker's free slots, and the
+            # model is busy again, so the loop's turn would only claim nothing and advance
+            # the run again beside its child's start (a write each, on SQLite serialised
+            # with the child's own: `bench.runs`).
+            self.notifier.jobs_changed()
         self.notifier.webhooks_due()  # its end may be a webhook event
 
     async def process(self, claim: Claim) -> None:
