@@ -109,6 +109,24 @@ async def test_a_cpu_model_under_a_root_or_the_data_dir_is_accepted(serve, disk,
     assert response.status_code == 201, response.text
 
 
+@pytest.mark.parametrize("where", ["{root}/adapter", "{data}/cpu/other/models/x/checkpoints/1"])
+async def test_a_lora_adapter_is_no_base_model(serve, disk, where) -> None:
+    """Under a root or the data directory (where every model's checkpoints lie, other
+    projects' among them), a directory holding a LoRA adapter is refused as a base:
+    transformers with PEFT would load it as a model, its base with the adapter applied."""
+    adapter = Path(fill(where, disk))
+    adapter.mkdir(parents=True)
+    (adapter / "adapter_config.json").write_text('{"base_model_name_or_path": "/m"}')
+    os.symlink(adapter, disk["root"] / "link-adapter")
+    async with serve(model_roots=[disk["root"]], data_dir=disk["data"]) as live:
+        for base in (str(adapter), str(disk["root"] / "link-adapter")):
+            response = await live.client.post("/v1/models", json=cpu_body(base))
+            assert response.status_code == 422, response.text
+            [error] = response.json()["errors"]
+            assert error["path"] == "base_model" and "LoRA adapter" in error["message"]
+        assert (await live.client.get("/v1/models")).json()["data"] == []
+
+
 async def test_other_backends_take_model_ids_as_before(serve) -> None:
     async with serve() as live:
         response = await live.client.post("/v1/models", json=f.model_body())

@@ -102,9 +102,22 @@ def base_model_refusal(base: str, roots: Sequence[Path]) -> str | None:
         # ... then where its symlinks lead, which must stay inside too.
         if not any(path.resolve().is_relative_to(r) for r in resolved_roots):
             return refusal
+        # A LoRA adapter (what checkpoints, Tinker's saves and adapter exports hold) is no
+        # base model, though transformers with PEFT loads one as a model (its base with the
+        # adapter applied): registered as a base, one model's trained weights, another
+        # project's among them (under the data directory), would be served as this one's.
+        adapter = (path.resolve() / ADAPTER_CONFIG).exists()
     except (OSError, ValueError, RuntimeError):  # a NUL, a symlink loop
         return refusal
+    if adapter:
+        return (
+            f"is a LoRA adapter (it holds {ADAPTER_CONFIG}), not a base model: register "
+            "its base model, and the adapter's weights as that model's checkpoint"
+        )
     return None
+
+
+ADAPTER_CONFIG = "adapter_config.json"
 
 
 class CpuBackend(CheckpointDirs):
