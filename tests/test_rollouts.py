@@ -106,6 +106,20 @@ async def test_graded_rollout_builds_groups_with_logprobs_and_trains(serve, tiny
     assert not [t for t in types if t.startswith("training_")]
 
 
+async def webhook_graded(client: httpx.AsyncClient, url: str, generations: int) -> httpx.Response:
+    """A rollout of the first example, 2 tokens an answer, graded by the webhook at `url`."""
+    return await client.post(
+        "/v1/rollout-jobs",
+        json={
+            "model": "toy",
+            "examples": EXAMPLES[:1],
+            "num_generations": generations,
+            "sampling": {"max_tokens": 2},
+            "grader": {"type": "webhook", "url": url},
+        },
+    )
+
+
 async def test_webhook_grader_and_its_errors(serve, tiny_model) -> None:
     grader = FastAPI()
     seen: list[dict[str, Any]] = []
@@ -119,16 +133,7 @@ async def test_webhook_grader_and_its_errors(serve, tiny_model) -> None:
 
     async with LiveServer(grader) as grading, serve(worker_enabled=True) as live:
         await cpu_model(live.client, tiny_model)
-        response = await live.client.post(
-            "/v1/rollout-jobs",
-            json={
-                "model": "toy",
-                "examples": EXAMPLES[:1],
-                "num_generations": 4,
-                "sampling": {"max_tokens": 2},
-                "grader": {"type": "webhook", "url": f"{grading.url}/grade"},
-            },
-        )
+        response = await webhook_graded(live.client, f"{grading.url}/grade", generations=4)
         job = await wait_job(live.client, response.headers["location"])
         collection = (await live.client.get(f"/v1/rollout-jobs/{job['id']}/trajectories")).json()
     assert job["status"] == "succeeded", job["error"]
@@ -157,16 +162,7 @@ async def test_a_rollout_cancelled_while_it_grades_counts_the_tokens_it_sampled(
     async with LiveServer(grader) as grading, serve(worker_enabled=True) as live:
         try:
             await cpu_model(live.client, tiny_model)
-            response = await live.client.post(
-                "/v1/rollout-jobs",
-                json={
-                    "model": "toy",
-                    "examples": EXAMPLES[:1],
-                    "num_generations": 2,
-                    "sampling": {"max_tokens": 2},
-                    "grader": {"type": "webhook", "url": f"{grading.url}/grade"},
-                },
-            )
+            response = await webhook_graded(live.client, f"{grading.url}/grade", generations=2)
             url = response.headers["location"]
             await asyncio.wait_for(asked.wait(), PATIENCE)  # sampled; being graded
             cancel = await live.client.post(f"{url}/cancel")
