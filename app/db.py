@@ -205,6 +205,8 @@ class Lookup:
         self._plan: tuple[SQLCompiler, str, list[Callable[[Any], Any] | None]] | None = None
 
     def first(self, connection: Connection, params: dict[str, Any]) -> tuple[Any, ...] | None:
+        if connection.dialect.name != "sqlite" or connection.dialect.paramstyle != "qmark":
+            raise TypeError(f"Lookup runs on SQLite's driver, not {connection.dialect.name}")
         compiled, sql, processors = self._plan or self._compile(connection.dialect)
         values = compiled.construct_params(params)
         driver = connection.connection.driver_connection
@@ -227,6 +229,8 @@ class Lookup:
         compiled = self.statement.compile(dialect=dialect)
         assert isinstance(compiled, SQLCompiler)
         for bind in compiled.binds.values():
+            if bind.expanding or bind.literal_execute:
+                raise TypeError(f"Lookup: parameter {bind.key!r} is rendered at execution")
             if bind.type.dialect_impl(dialect).bind_processor(dialect) is not None:
                 raise TypeError(f"Lookup: parameter {bind.key!r} would need converting")
         processors: list[Callable[[Any], Any] | None] = [
@@ -310,9 +314,13 @@ class Reader:
             except OperationalError as exc:
                 if not is_locked(exc):
                     raise
-            except sqlite3.OperationalError as exc:  # the driver's own, from a `Lookup`
+            except sqlite3.Error as exc:  # the driver's own, from a `Lookup`
                 if not _locked_message(str(exc)):
-                    raise
+                    # Not a lock: the connection may be broken. A new one next time; this
+                    # read goes through SQLAlchemy, which says what it is (a 503, say).
+                    self._on_loop = None
+                    with contextlib.suppress(Exception):
+                        connection.invalidate()
         return await self._run_core(read)
 
     async def _open_loop_connection(self) -> Connection:
@@ -405,15 +413,17 @@ def _sqlite_reading_engine(url: URL, busy_timeout: float) -> Engine:
 
 async def begin_write(session: AsyncSession) -> None:
     """Start the session's transaction as a writing one (SQLite: BEGIN IMMEDIATE). Call it
-    before the transaction's first statement; in one begun as a writer it does nothing."""
-    if session.in_transaction():
-        connection = await session.connection()
-        if (
-            connection.sync_connection is not None
-            and connection.sync_connection.get_execution_options().get("trainyard_write")
-        ):
-            return
+    before the transaction's first statement; in one it began as a writer it does nothing
+    (a helper may call it again)."""
+    transaction = session.sync_session.get_transaction()
+    if transaction is not None and session.info.get(_BEGUN_WRITING) is transaction:
+        return
     await session.connection(execution_options=WRITE)
+    session.info[_BEGUN_WRITING] = session.sync_session.get_transaction()
+
+
+_BEGUN_WRITING = "trainyard_begun_writing"
+"""`Session.info` key: the transaction `begin_write` began (a later one is another object)."""
 
 
 @asynccontextmanager

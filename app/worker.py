@@ -253,12 +253,12 @@ class Worker:
                     await self.fill()
                 async with self._filling:  # `claim_in` counts this worker's free slots
                     await self.runs.advance(run_id, claimer=self)
+                refilled = len(self.tasks) > running
             except Exception as exc:
                 if is_unavailable(exc):  # busy or restarting: the loop's next turn does it
                     log.warning("run %s: not advanced after %s: %s", run_id, lease.job_id, exc)
                 else:
                     log.exception("run %s: advancing it after %s failed", run_id, lease.job_id)
-            refilled = len(self.tasks) > running
         if not refilled:
             # A slot is free, the model may have more jobs: the loop claims and advances.
             # Not when the run's next child took the slot: that claim (`fill`, or the move's

@@ -56,6 +56,7 @@ def run_apart(coroutine: Coroutine[Any, Any, T]) -> T:
 # may write begins IMMEDIATE (`app.db.begin_write`, `write_connection`, `transaction`). This
 # watches every SQLite connection of this process, and fails the test in which one upgraded.
 _DEFERRED, _READ = "deferred", "read"
+_WRITES = frozenset({"INSERT", "UPDATE", "DELETE", "REPLACE"})
 _upgrades: list[str] = []
 _transactions: dict[int, str] = {}
 
@@ -71,7 +72,7 @@ def _watch(conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
         _transactions[key] = _DEFERRED if len(words) == 1 else "writer"
     elif state is None or state == "writer":
         return
-    elif verb in ("INSERT", "UPDATE", "DELETE", "REPLACE"):
+    elif verb in _WRITES or (verb == "WITH" and _WRITES & set(statement.upper().split())):
         if state == _READ:
             # Through the async driver the stack here stops at SQLAlchemy's greenlet: the
             # task's name says which work it was (a job, a request), the statement what.
@@ -80,7 +81,7 @@ def _watch(conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
                 statement = f"{statement[:80]!r} in task {task.get_name() if task else None}"
             _upgrades.append(statement)
         _transactions[key] = "writer"
-    elif verb in ("SELECT", "WITH"):
+    elif verb in ("SELECT", "WITH"):  # a WITH that writes was caught above
         _transactions[key] = _READ
 
 

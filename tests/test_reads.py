@@ -17,14 +17,22 @@ import pytest
 from sqlalchemy import event, select, update
 from sqlalchemy.exc import OperationalError
 
-from app.db import Lookup, Reader, create_engine, create_sessionmaker, utcnow, write_connection
+from app.db import (
+    Lookup,
+    Reader,
+    begin_write,
+    create_engine,
+    create_sessionmaker,
+    utcnow,
+    write_connection,
+)
 from app.errors import NotFoundError
 from app.jobs import service as jobs
 from app.jobs.lifecycle import JobKind, JobStatus
 from app.jobs.statements import jobs as jobs_table
 from app.jobs.statements import models
 from app.jobs.store import enqueue, new_job
-from app.models import JobRow
+from app.models import JobRow, ModelRow
 from app.training import spec
 from tests import factories as f
 
@@ -290,3 +298,67 @@ async def test_on_sqlite_the_reading_connections_cannot_write(engine_and_reader:
             update(JobRow).where(JobRow.id == job_id).values(status="failed").returning(JobRow.id)
         )
     assert (await jobs.read_job(reader, job_id, kind=JobKind.training)).status == "queued"
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+async def test_begin_write_begins_a_writer_once_whatever_came_before_in_the_session(
+    database_url: str,
+) -> None:
+    """`begin_write` begins the session's transaction as a writer (SQLite: BEGIN IMMEDIATE)
+    even after `session.add` began it without a connection; called again in that
+    transaction it does nothing; the next transaction begins afresh."""
+    engine = create_engine(database_url)
+    begun: list[str] = []
+
+    def record(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        if statement.startswith("BEGIN"):
+            begun.append(statement)
+
+    event.listen(engine.sync_engine, "before_cursor_execute", record)
+    try:
+        async with create_sessionmaker(engine)() as session:
+            now = utcnow()
+            model = ModelRow(
+                name="w",
+                project="p",
+                base_model="b",
+                backend="dry-run",
+                config={},
+                current_step=0,
+                step_known=True,
+                created_at=now,
+                updated_at=now,
+            )
+            session.add(model)  # the transaction begins, without a connection yet
+            await begin_write(session)
+            await begin_write(session)  # a helper's second call
+            await session.commit()
+            await begin_write(session)
+            await session.rollback()
+            await session.get(JobRow, "none")  # a reader: BEGIN
+            await session.rollback()
+    finally:
+        await engine.dispose()
+    assert begun == ["BEGIN IMMEDIATE", "BEGIN IMMEDIATE", "BEGIN"]
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+async def test_on_sqlite_a_lookup_that_meets_another_driver_error_is_read_through_sqlalchemy(
+    engine_and_reader: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not a lock (a disk error, a broken connection): the loop's connection is given up
+    and the read goes through SQLAlchemy, whose errors the service answers (503)."""
+    engine, reader = engine_and_reader
+    job_id = await _job(engine)
+    await jobs.read_job(reader, job_id, kind=JobKind.training)  # opens the loop's connection
+    broken = reader._on_loop
+
+    def failing(*_: Any) -> None:
+        raise sqlite3.DatabaseError("disk I/O error")
+
+    monkeypatch.setattr(Lookup, "first", failing)
+    assert (await jobs.read_job(reader, job_id, kind=JobKind.training)).id == job_id
+    assert reader._on_loop is None and broken is not None and broken.invalidated
+    monkeypatch.undo()
+    assert (await jobs.read_job(reader, job_id, kind=JobKind.training)).id == job_id
+    assert reader._on_loop is not None and reader._on_loop is not broken
