@@ -48,24 +48,27 @@ async def engine_and_reader(database_url: str) -> AsyncIterator[tuple[Any, Reade
         await engine.dispose()
 
 
+def _model_columns(name: str) -> dict[str, Any]:
+    now = utcnow()
+    return {
+        "name": name,
+        "project": "p",
+        "base_model": "tiny/base",
+        "backend": "dry-run",
+        "config": {},
+        "current_step": 0,
+        "step_known": True,
+        "created_at": now,
+        "updated_at": now,
+    }
+
+
 async def _job(engine: Any, model: str = "m", **metadata: str) -> str:
     async with write_connection(engine) as conn:
         if (
             await conn.execute(select(models.c.name).where(models.c.name == model))
         ).first() is None:
-            await conn.execute(
-                models.insert().values(
-                    name=model,
-                    project="p",
-                    base_model="tiny/base",
-                    backend="dry-run",
-                    config={},
-                    current_step=0,
-                    step_known=True,
-                    created_at=utcnow(),
-                    updated_at=utcnow(),
-                )
-            )
+            await conn.execute(models.insert().values(_model_columns(model)))
         job = new_job(
             JobKind.training,
             model=model,
@@ -317,19 +320,8 @@ async def test_begin_write_begins_a_writer_once_whatever_came_before_in_the_sess
     event.listen(engine.sync_engine, "before_cursor_execute", record)
     try:
         async with create_sessionmaker(engine)() as session:
-            now = utcnow()
-            model = ModelRow(
-                name="w",
-                project="p",
-                base_model="b",
-                backend="dry-run",
-                config={},
-                current_step=0,
-                step_known=True,
-                created_at=now,
-                updated_at=now,
-            )
-            session.add(model)  # the transaction begins, without a connection yet
+            # The transaction begins, without a connection yet.
+            session.add(ModelRow(**_model_columns("w")))
             await begin_write(session)
             await begin_write(session)  # a helper's second call
             await session.commit()
