@@ -19,6 +19,7 @@ from app.backends.base import ModelSpec
 from app.backends.serving_pools import rank
 from app.backends.storage import Storage
 from app.backends.tiny_model import make_tiny_model
+from app.db import begin_write
 from app.models import ModelRow
 from app.settings import Settings
 from tests import test_checkpoint_storage as storage_tests
@@ -332,6 +333,7 @@ async def test_a_pool_loads_steps_from_the_object_store(
             }
             assert (await live.client.post("/v1/models", json=body)).status_code == 201
             async with live.app.state.sessions() as session:
+                await begin_write(session)
                 row = await session.get(ModelRow, "toy")
                 row.current_step = 1
                 await session.commit()
