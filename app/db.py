@@ -297,8 +297,9 @@ class Reader:
         """The first row of a Core statement (table columns, no ORM entity), or None. For
         a lookup of one row by its key: on SQLite it runs on the event loop (see above),
         and a `Lookup` there goes straight to the driver."""
-        lookup = statement if isinstance(statement, Lookup) else None
-        core = statement.statement if isinstance(statement, Lookup) else statement
+        lookup, core = (
+            (statement, statement.statement) if isinstance(statement, Lookup) else (None, statement)
+        )
 
         def read(connection: Connection) -> Any:
             return connection.execute(core, params).first()

@@ -140,17 +140,11 @@ class ProjectCounters:
         if session.get_bind().dialect.name != "postgresql":
             return await session.scalar(select(top)) or 0, 0, 0
         snapshot = func.pg_current_snapshot()
-        row = (
-            await session.execute(
-                select(
-                    top,
-                    func.pg_snapshot_xmin(snapshot)
-                    .cast(Text)
-                    .cast(BigInteger),  # xid8: no int cast
-                    func.pg_snapshot_xmax(snapshot).cast(Text).cast(BigInteger),
-                )  # one statement: one snapshot
-            )
-        ).one()
+        xids = [  # xid8 has no int cast
+            func.pg_snapshot_xmin(snapshot).cast(Text).cast(BigInteger),
+            func.pg_snapshot_xmax(snapshot).cast(Text).cast(BigInteger),
+        ]
+        row = (await session.execute(select(top, *xids))).one()  # one statement: one snapshot
         return row[0] or 0, int(row[1]), int(row[2])
 
     def _count(self, rows: Any) -> None:

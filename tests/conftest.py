@@ -55,7 +55,7 @@ def run_apart(coroutine: Coroutine[Any, Any, T]) -> T:
 # busy wait) whenever another connection has committed since the read. Every transaction that
 # may write begins IMMEDIATE (`app.db.begin_write`, `write_connection`, `transaction`). This
 # watches every SQLite connection of this process, and fails the test in which one upgraded.
-_DEFERRED, _READ = "deferred", "read"
+_DEFERRED, _READ, _WRITER = "deferred", "read", "writer"
 _WRITES = frozenset({"INSERT", "UPDATE", "DELETE", "REPLACE"})
 _upgrades: list[str] = []
 _transactions: dict[int, str] = {}
@@ -69,8 +69,8 @@ def _watch(conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
     verb = words[0].upper() if words else ""
     state = _transactions.get(key)
     if verb == "BEGIN":
-        _transactions[key] = _DEFERRED if len(words) == 1 else "writer"
-    elif state is None or state == "writer":
+        _transactions[key] = _DEFERRED if len(words) == 1 else _WRITER
+    elif state is None or state == _WRITER:
         return
     elif verb in _WRITES or (verb == "WITH" and _WRITES & set(statement.upper().split())):
         if state == _READ:
@@ -80,7 +80,7 @@ def _watch(conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
                 task = asyncio.current_task()
                 statement = f"{statement[:80]!r} in task {task.get_name() if task else None}"
             _upgrades.append(statement)
-        _transactions[key] = "writer"
+        _transactions[key] = _WRITER
     elif verb in ("SELECT", "WITH"):  # a WITH that writes was caught above
         _transactions[key] = _READ
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
@@ -20,7 +20,7 @@ from app.backends.base import BackendError, Inference, classify
 from app.egress import EgressClient, EgressPolicy
 from app.evaluations import results, scoring, spec
 from app.evaluations.spec import EvaluationSpec
-from app.jobs.lifecycle import Cancelled, ErrorInfo, EventType, Failed, Outcome, Retry, Succeeded
+from app.jobs.lifecycle import Cancelled, ErrorInfo, EventType, JobUpdate, Outcome, Succeeded
 from app.jobs.store import Claim, LeaseState
 from app.jobs.supervise import (
     KindRunner,
@@ -30,6 +30,7 @@ from app.jobs.supervise import (
     gone,
     started_event,
     supervise,
+    with_used,
 )
 from app.rollouts.sampling import SamplingClient, SamplingError, tokens_of
 from app.schemas.rollouts import Example
@@ -73,9 +74,7 @@ async def run(claim: Claim, ctx: RunContext) -> None:
     )
     try:
         outcome = await _outcome(claim, work, progress, ctx, sink.tokens)
-        if isinstance(outcome, Retry | Failed | Cancelled) and "prompt_tokens" not in outcome.job:
-            # An attempt cancelled or failed part of the way through sampled tokens too.
-            outcome = replace(outcome, job={**outcome.job, **sink.tokens})  # type: ignore[typeddict-item]
+        outcome = with_used(outcome, sink.used())
     finally:
         if not work.done():
             work.cancel()
@@ -141,6 +140,13 @@ class _Sink:
     tokens: dict[str, int] = field(
         default_factory=lambda: {"prompt_tokens": 0, "completion_tokens": 0}
     )
+
+    def used(self) -> JobUpdate:
+        """The job's columns of what this attempt sampled."""
+        return JobUpdate(
+            prompt_tokens=self.tokens["prompt_tokens"],
+            completion_tokens=self.tokens["completion_tokens"],
+        )
 
     async def add(self, rows: list[dict[str, Any]]) -> None:
         self.rows += rows

@@ -224,8 +224,8 @@ def job_update(
     keys: tuple[str, ...], only_if_expired: bool, unless_cancel: bool, clock: LeaseClock
 ) -> ReturningUpdate[Any]:
     """Set `v_<key>` on the lease's job (add it, for `ADDED_COLUMNS`) and count `g_events`
-    new events, returning the new
-    counter (and the id and project, for `write_in_one`); matches nothing once the lease is lost.
+    new events, returning the new counter (and the id and project, for `write_in_one`);
+    matches nothing once the lease is lost.
     `only_if_expired`: only while the lease is expired by the lease clock (recovery: its
     worker did not come back); `unless_cancel`: only if no cancel was asked."""
     extra = []

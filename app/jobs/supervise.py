@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from app.backends import Backends
@@ -16,10 +16,12 @@ from app.backends.base import BackendError
 from app.db import is_unavailable
 from app.jobs.lifecycle import (
     VOCABULARY,
+    Cancelled,
     ErrorInfo,
     Event,
     EventType,
     Failed,
+    JobUpdate,
     Outcome,
     Retry,
     retry_or_fail,
@@ -110,6 +112,15 @@ def gone(reason: ErrorInfo, state: LeaseState, settings: Settings) -> Retry | Fa
         max_attempts=state.max_attempts,
         retry_base_seconds=settings.retry_base_seconds,
     )
+
+
+def with_used(outcome: Outcome | None, used: JobUpdate) -> Outcome | None:
+    """`outcome` carrying what its attempt used (the tokens it sampled) unless it says so
+    already: a retry, a failure or a cancel part of the way through used them too, and
+    the final write adds them to the job's (`lifecycle.ADDED_COLUMNS`)."""
+    if isinstance(outcome, Retry | Failed | Cancelled) and not used.keys() & outcome.job.keys():
+        return replace(outcome, job={**outcome.job, **used})
+    return outcome
 
 
 def started_event(lease: Lease, start_step: int, data: dict[str, Any]) -> Event:

@@ -15,7 +15,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
@@ -31,7 +31,6 @@ from app.jobs.lifecycle import (
     Failed,
     JobUpdate,
     Outcome,
-    Retry,
     Succeeded,
 )
 from app.jobs.payloads import compress
@@ -44,6 +43,7 @@ from app.jobs.supervise import (
     gone,
     started_event,
     supervise,
+    with_used,
 )
 from app.rollouts import spec
 from app.rollouts.graders import Grader
@@ -138,8 +138,7 @@ async def run(claim: Claim, ctx: RunContext) -> None:
     )
     try:
         outcome = await _outcome(claim, recipe, work, progress, ctx, inference.step)
-        if isinstance(outcome, Retry | Failed | Cancelled) and "prompt_tokens" not in outcome.job:
-            outcome = replace(outcome, job={**outcome.job, **collected.tokens()})
+        outcome = with_used(outcome, collected.tokens())
     finally:
         if not work.done():
             work.cancel()
