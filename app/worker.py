@@ -23,7 +23,7 @@ from app.evaluations.runner import RUNNER as EVALUATION
 from app.jobs import pools
 from app.jobs.lifecycle import Cancelled, ErrorInfo, JobKind, JobStatus, Recovered, Released
 from app.jobs.pools import Capabilities
-from app.jobs.store import Claim, Lease, LeaseState, QueueStore
+from app.jobs.store import Claim, Joined, Lease, LeaseState, QueueStore
 from app.jobs.supervise import KindRunner, RunContext
 from app.models import ModelRow
 from app.notify import Notifier
@@ -103,12 +103,13 @@ class Worker:
     def engine(self) -> AsyncEngine:
         return self.store.engine
 
-    def context(self, job_id: str) -> RunContext:
+    def context(self, job_id: str, joined: Joined | None = None) -> RunContext:
         return RunContext(
             store=self.store,
             backends=self.backends,
             settings=self.settings,
             signal=lambda: self.notifier.events_appended(job_id),
+            joined=joined,
         )
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -215,10 +216,13 @@ class Worker:
             task = asyncio.create_task(self._process(claim), name=f"job:{lease.job_id}")
             self.tasks[lease.job_id] = (lease, task)
 
-    async def claim_in(self, conn: AsyncConnection) -> list[Claim]:
-        """Claim in a run's move (`RunDriver.advance`), inside its transaction: the caller
-        holds `_filling`, and starts what this returns once the transaction commits."""
-        free = self.settings.worker_concurrency - len(self.tasks)
+    async def claim_in(self, conn: AsyncConnection, *, slots: int | None = None) -> list[Claim]:
+        """Claim in a run's move, inside its transaction; the caller starts what this
+        returns once the transaction commits. `slots` None (`RunDriver.advance`): this
+        worker's free slots, counted under `_filling`, which the caller holds. `slots=1`
+        (`JoinedMove`, in a child's final write): the slot the child frees, which no
+        other claim counts as free while the child's task lasts."""
+        free = self.settings.worker_concurrency - len(self.tasks) if slots is None else slots
         if free <= 0 or self._stopping.is_set():
             return []
         return await self.store.claim_in(
@@ -231,8 +235,12 @@ class Worker:
 
     async def _process(self, claim: Claim) -> None:
         lease = claim.lease
+        # A run's child: its final write moves the run on and claims the next job into the
+        # slot it frees, in one transaction (`JoinedMove`).
+        run_id = run_of(lease.job_id)
+        joined = None if run_id is None else self.runs.joined(run_id, lease.job_id, self)
         try:
-            await self.process(claim)
+            await self.process(claim, joined)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -240,20 +248,27 @@ class Worker:
             log.exception("job %s: processing failed", lease.job_id)
         finally:
             self.tasks.pop(lease.job_id, None)
-        # A run's child ended: start its next child now, rather than at the loop's next
-        # turn (the loop would, a wake-up later). A rollout child has queued its training
-        # job itself: claim that first. Then move the run on, claiming whatever child the
-        # move queues in the move's own transaction.
-        run_id = run_of(lease.job_id)
+        # Where the final write did not move the run (its spec not yet read here, pruning
+        # as it ends, a lost lease, a failure), start its next child now, rather than at
+        # the loop's next turn (the loop would, a wake-up later). A rollout child has
+        # queued its training job itself: claim that first. Then move the run on,
+        # claiming whatever child the move queues in the move's own transaction.
         refilled = False
         if run_id is not None and not self._stopping.is_set():
+            assert joined is not None
             running = len(self.tasks)
             try:
-                if queues_next(lease.job_id):
-                    await self.fill()
-                async with self._filling:  # `claim_in` counts this worker's free slots
-                    await self.runs.advance(run_id, claimer=self)
-                refilled = len(self.tasks) > running
+                if joined.settled:
+                    refilled = joined.claimed > 0
+                    if joined.again:  # the next child had ended already: move on again
+                        async with self._filling:
+                            await self.runs.advance(run_id, claimer=self)
+                else:
+                    if queues_next(lease.job_id):
+                        await self.fill()
+                    async with self._filling:  # `claim_in` counts this worker's free slots
+                        await self.runs.advance(run_id, claimer=self)
+                refilled = refilled or len(self.tasks) > running
             except Exception as exc:
                 if is_unavailable(exc):  # busy or restarting: the loop's next turn does it
                     log.warning("run %s: not advanced after %s: %s", run_id, lease.job_id, exc)
@@ -269,8 +284,8 @@ class Worker:
             self.notifier.jobs_changed()
         self.notifier.webhooks_due()  # its end may be a webhook event
 
-    async def process(self, claim: Claim) -> None:
-        await RUNNERS[claim.lease.kind].run(claim, self.context(claim.lease.job_id))
+    async def process(self, claim: Claim, joined: Joined | None = None) -> None:
+        await RUNNERS[claim.lease.kind].run(claim, self.context(claim.lease.job_id, joined))
 
     async def stop(self, grace: float = 10.0) -> None:
         """Stop claiming, let running jobs finish for `grace` seconds, then release them.

@@ -62,12 +62,13 @@ async def sessions(
         await engine.dispose()
 
 
-def worker(settings: Settings) -> Any:
+def worker(settings: Settings, **env: str) -> Any:
     # Enough attempts for a child killed several times; short leases: recovery is quick.
     return start_worker(
         settings,
         TRAINYARD_MAX_ATTEMPTS="20",
         TRAINYARD_MODEL_ROOTS=",".join(str(p) for p in settings.model_roots),
+        **env,
     )
 
 
@@ -270,7 +271,9 @@ async def test_two_workers_share_runs_of_three_models_one_job_per_model_at_a_tim
     run_ids = {
         name: await start_run(make, settings, name, tiny_model) for name in ("ma", "mb", "mc")
     }
-    workers = [worker(settings), worker(settings)]
+    # Two slots each: three runs do not fit one worker. (A worker claims a run's next child
+    # in the write that ends the last one, so one with room for every run keeps them all.)
+    workers = [worker(settings, TRAINYARD_WORKER_CONCURRENCY="2") for _ in range(2)]
     try:
         for run_id in run_ids.values():
             await until(lambda r=run_id: _final(make, r), timeout=180, what=f"run {run_id}")

@@ -5,17 +5,21 @@ and cancel."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from fastapi import FastAPI
+from sqlalchemy import event
+from sqlalchemy.engine import Engine
 
 from app.backends.tiny_model import make_tiny_model
+from app.runs.schedule import child_id
 from tests.conftest import LiveServer
 from tests.factories import art_groups, submit
 from tests.processes import PATIENCE
@@ -113,6 +117,17 @@ def run_body(dataset: str, **changes: Any) -> dict[str, Any]:
         "validation": {"every_steps": 3, "num_generations": 16},
     }
     body.update(changes)
+    return body
+
+
+def inline_run_body() -> dict[str, Any]:
+    """A run of four inline examples, without validation."""
+    examples = [
+        {"id": i, "messages": [{"role": "user", "content": "say yes"}], "expected": "yes"}
+        for i in range(4)
+    ]
+    body = run_body("", examples=examples, validation=None)
+    del body["dataset"]
     return body
 
 
@@ -294,12 +309,7 @@ async def test_inline_examples_pause_resume_and_cancel_while_a_step_trains(serve
     async with serve() as live:
         client = live.client
         await served(client)
-        examples = [
-            {"id": i, "messages": [{"role": "user", "content": "say yes"}], "expected": "yes"}
-            for i in range(4)
-        ]
-        body = run_body("", examples=examples, validation=None)
-        del body["dataset"]
+        body = inline_run_body()
         body["schedule"] = {"epochs": 50, "examples_per_step": 2}
         run = (await client.post("/v1/runs", json=body, headers={"Idempotency-Key": "r1"})).json()
         replay = await client.post("/v1/runs", json=body, headers={"Idempotency-Key": "r1"})
@@ -341,6 +351,76 @@ async def test_inline_examples_pause_resume_and_cancel_while_a_step_trains(serve
     assert model["current_step"] == final["progress"]["step"]
     assert again.status_code == 409 and pause_after.status_code == 409
     assert all(job["status"] in FINAL for job in children["data"])
+
+
+@contextlib.contextmanager
+def transactions(engine: Engine) -> Iterator[list[list[tuple[str, str]]]]:
+    """The statements (text, parameters) of each transaction the engine commits while
+    inside, in order."""
+    committed: list[list[tuple[str, str]]] = []
+    open_: dict[int, list[tuple[str, str]]] = {}
+
+    def begin(conn: Any) -> None:
+        open_[id(conn)] = []
+
+    def execute(conn: Any, _cursor: Any, statement: str, parameters: Any, *_: Any) -> None:
+        if id(conn) in open_:
+            open_[id(conn)].append((" ".join(statement.split()), str(parameters)))
+
+    def commit(conn: Any) -> None:
+        committed.append(open_.pop(id(conn), []))
+
+    def rollback(conn: Any) -> None:
+        open_.pop(id(conn), None)
+
+    listeners = [
+        ("begin", begin),
+        ("before_cursor_execute", execute),
+        ("commit", commit),
+        ("rollback", rollback),
+    ]
+    for name, listener in listeners:
+        event.listen(engine, name, listener)
+    try:
+        yield committed
+    finally:
+        for name, listener in listeners:
+            event.remove(engine, name, listener)
+
+
+def _inserts(statement: str, parameters: str, job_id: str) -> bool:
+    """Whether the statement inserts the job `job_id` (its id first, or named `id`)."""
+    inserted = parameters.startswith(f"('{job_id}'") or f"'id': '{job_id}'" in parameters
+    return statement.startswith("INSERT INTO jobs") and inserted
+
+
+async def test_a_childs_end_moves_its_run_and_starts_the_next_child_in_one_write(serve) -> None:
+    """A training child's final write also writes the run's move, queues the next step's
+    rollout and claims it (`app.runs.driver.JoinedMove`): one transaction, where four ran
+    one after another (`bench.runs`)."""
+    async with serve() as live:
+        client = live.client
+        await served(client)
+        body = inline_run_body()
+        body["recipe"]["num_generations"] = 2
+        body["schedule"] = {"max_steps": 3, "examples_per_step": 2}
+        with transactions(live.app.state.engine.sync_engine) as written:
+            response = await client.post("/v1/runs", json=body)
+            assert response.status_code == 202, response.text
+            run_id = response.json()["id"]
+            final = await wait_run(client, run_id)
+    assert final["status"] == "succeeded" and final["progress"]["step"] == 3
+    for step in (1, 2):
+        ended, nxt = child_id(run_id, "training", step), child_id(run_id, "rollout", step + 1)
+        # The transaction that queued the next rollout ended the training job before, wrote
+        # the run's move, and claimed the rollout after.
+        [tx] = [tx for tx in written if any(_inserts(s, p, nxt) for s, p in tx)]
+        [queued] = [i for i, (s, p) in enumerate(tx) if _inserts(s, p, nxt)]
+        assert any(
+            s.startswith("UPDATE jobs") and ended in p and "succeeded" in p for s, p in tx[:queued]
+        ), tx
+        assert any(s.startswith("UPDATE runs") for s, _ in tx[:queued]), tx
+        assert any("lease_owner" in s for s, _ in tx[queued + 1 :]), tx  # and claimed
 
 
 async def test_a_run_with_an_agent_calls_it_as_rollout_jobs_do(serve) -> None:

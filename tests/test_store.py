@@ -3,10 +3,12 @@ whatever the dialect, the same calls leave the same rows and events."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
 from sqlalchemy import Interval, func, insert, select, type_coerce, update
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 from app.db import utcnow, write_connection
 from app.jobs.lifecycle import (
@@ -17,6 +19,7 @@ from app.jobs.lifecycle import (
     JobKind,
     JobStatus,
     JobUpdate,
+    NewJob,
     Released,
     Retry,
     Succeeded,
@@ -25,6 +28,7 @@ from app.jobs.payloads import Payload
 from app.jobs.statements import LeaseClock, jobs, models
 from app.jobs.store import (
     Claim,
+    LeftOut,
     PostgresStore,
     QueueStore,
     SqliteStore,
@@ -58,6 +62,17 @@ async def _model(store: QueueStore, name: str, project_id: str = DEFAULT_PROJECT
                 project_id=project_id,
             )
         )
+
+
+def _new_job(model: str) -> NewJob:
+    return new_job(
+        JobKind.training,
+        model=model,
+        payload=_payload(),
+        summary={},
+        request_hash="h",
+        max_attempts=2,
+    )
 
 
 async def _job(store: QueueStore, model: str, kind: JobKind = JobKind.training) -> str:
@@ -119,14 +134,7 @@ async def test_enqueue_and_claim(store: QueueStore) -> None:
 async def test_a_claim_inside_a_write_holds_only_if_it_commits(store: QueueStore) -> None:
     """`claim_in`: a run's move queues its child and claims it in one transaction."""
     await _model(store, "a")
-    queued = new_job(
-        JobKind.training,
-        model="a",
-        payload=_payload(),
-        summary={},
-        request_hash="h",
-        max_attempts=2,
-    )
+    queued = _new_job("a")
 
     class Undone(Exception):
         pass
@@ -152,6 +160,72 @@ async def test_a_claim_inside_a_write_holds_only_if_it_commits(store: QueueStore
     )
     assert [t for _, t, _ in await _events(store, queued.id)] == ["job_queued", "job_claimed"]
     assert await _claim(store) == []
+
+
+class _Joined:
+    """Joined work (`QueueStore.apply(joined=...)`) that queues a job of its own and says
+    what it saw, in the order it saw it."""
+
+    def __init__(self, store: QueueStore, job_id: str, *, leave_out: bool = False) -> None:
+        self.store, self.job_id, self.leave_out = store, job_id, leave_out
+        self.seen: list[str] = []
+        self.queued = _new_job("b")
+
+    async def lock(self, conn: AsyncConnection) -> None:
+        self.seen.append("lock: " + await self._status(conn))
+
+    async def then(self, conn: AsyncConnection) -> Callable[[], None]:
+        self.seen.append("then: " + await self._status(conn))
+        await enqueue(conn, self.queued)
+        if self.leave_out:
+            raise LeftOut("not this time")
+        return lambda: self.seen.append("committed")
+
+    async def _status(self, conn: AsyncConnection) -> str:
+        return str(await conn.scalar(select(jobs.c.status).where(jobs.c.id == self.job_id)))
+
+
+async def test_joined_work_commits_with_the_final_write_or_is_left_out(store: QueueStore) -> None:
+    """A run's child ends and its run moves in one transaction (`app.runs.driver`): the
+    joined work locks first, then runs after the job's write, in its transaction, and what
+    follows it runs once that committed. Work that cannot be done is rolled back with the
+    whole write, and the job's write is made again alone; a lost lease runs none of it."""
+    await _model(store, "a")
+    await _model(store, "b")
+    ids = [await _job(store, "a") for _ in range(3)]
+    claims = []
+    for _ in ids:  # one running job per model: each ends before the next is claimed
+        [claim] = await _claim(store)
+        claims.append(claim)
+        joined = _Joined(store, claim.lease.job_id, leave_out=len(claims) == 2)
+        if len(claims) == 3:  # another worker took the job over: the write matches nothing
+            async with write_connection(store.engine) as conn:
+                await conn.execute(
+                    update(jobs).where(jobs.c.id == claim.lease.job_id).values(lease_token="w2's")
+                )
+        written = await store.apply(claim.lease, Succeeded({}), joined=joined)
+        if len(claims) == 1:
+            assert written is JobStatus.succeeded
+            assert joined.seen == ["lock: running", "then: succeeded", "committed"]
+            assert (await _row(store, joined.queued.id)).status == "queued"
+            async with write_connection(store.engine) as conn:  # out of the way of the next
+                await conn.execute(
+                    update(jobs).where(jobs.c.id == joined.queued.id).values(status="cancelled")
+                )
+        elif len(claims) == 2:
+            assert written is JobStatus.succeeded  # alone, the second time
+            assert joined.seen == ["lock: running", "then: succeeded"]
+            async with store.engine.connect() as conn:
+                assert (
+                    await conn.scalar(select(jobs.c.id).where(jobs.c.id == joined.queued.id))
+                    is None
+                )
+        else:
+            assert written is None
+            assert joined.seen == ["lock: running"]
+        assert (await _row(store, claim.lease.job_id)).status == (
+            "running" if len(claims) == 3 else "succeeded"
+        )
 
 
 async def test_heartbeat_and_start_record(store: QueueStore) -> None:

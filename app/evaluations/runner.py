@@ -54,7 +54,7 @@ async def run(claim: Claim, ctx: RunContext) -> None:
             store.engine, lease.job_id, recipe.samples_per_example
         )
     except Exception as exc:
-        await store.apply(lease, failure(classify(exc), claim, ctx.settings))
+        await ctx.apply(lease, failure(classify(exc), claim, ctx.settings))
         ctx.signal()
         return
     total = len(recipe.examples) * recipe.samples_per_example
@@ -79,7 +79,7 @@ async def run(claim: Claim, ctx: RunContext) -> None:
         if not work.done():
             work.cancel()
     if outcome is not None:
-        await store.apply(lease, outcome, earlier=progress.take())
+        await ctx.apply(lease, outcome, earlier=progress.take())
     ctx.signal()
 
 

@@ -5,8 +5,9 @@ A run's driver decides (`app.runs.schedule`), `app.jobs.lifecycle.plan_run` turn
 decision into a `RunWrite`, and `apply_move` writes it in one transaction guarded twice:
 by the run's `version` (two drivers that decide at once cannot both write: the second
 matches no row and decides again) and by what the driver saw of the run's job row
-(a cancel that came since is not overwritten). Routes pause and resume through
-`apply_pause`, inside their own transaction, under the same version.
+(a cancel that came since is not overwritten); `write_move` writes it in a transaction
+already open (a child's final write, `app.runs.driver.JoinedMove`). Routes pause and
+resume through `apply_pause`, inside their own transaction, under the same version.
 """
 
 from __future__ import annotations
@@ -42,56 +43,77 @@ async def apply_move(
     runs last in the same transaction (a worker claims the children just queued: one
     transaction where a separate claim took a second)."""
     async with write_connection(engine) as conn:
-        # The job row first, locked: the routes that change a run (cancel, pause) lock it
-        # before the run's row too, so the two never wait on each other.
-        now_seen = (
-            await conn.execute(
-                select(jobs.c.status, jobs.c.cancel_requested)
-                .where(jobs.c.id == run_id)
-                .with_for_update()
-            )
-        ).one()
-        if tuple(now_seen) != seen:
+        if not await write_move(conn, run_id, version=version, seen=seen, write=write):
             await conn.rollback()
             return False
-        state = dict(write.run.get("state") or {})
-        seq = int(state.get("metric_seq") or 0)
-        moved = await conn.execute(
-            update(runs)
-            .where(runs.c.id == run_id, runs.c.version == version)
-            .values(
-                {
-                    **write.run,
-                    "state": {**state, "metric_seq": seq + len(write.metrics)},
-                    "version": version + 1,
-                    "updated_at": write.job.get("updated_at"),
-                }
-            )
-        )
-        if moved.rowcount != 1:
-            await conn.rollback()
-            return False
-        for child in write.children:
-            if await conn.scalar(select(jobs.c.id).where(jobs.c.id == child.id)) is None:
-                await enqueue(conn, child)  # a decision taken again finds it made
-        for target in write.cancel:
-            await cancel_job_now(conn, target)
-        for offset, metric in enumerate(write.metrics, start=1):
-            await conn.execute(
-                insert(run_metrics).values(
-                    run_id=run_id,
-                    seq=seq + offset,
-                    kind=metric.kind,
-                    step=metric.step,
-                    data=metric.data,
-                    created_at=write.job.get("updated_at"),
-                )
-            )
-        for event in write.events:
-            await append_event(conn, run_id, event)
-        await conn.execute(update(jobs).where(jobs.c.id == run_id).values(_columns(write)))
         if then is not None:
             await then(conn)
+    return True
+
+
+async def lock_run(conn: AsyncConnection, run_id: str) -> tuple[str, bool] | None:
+    """Lock the run's job row (`FOR UPDATE`; SQLite's transaction holds the file) and
+    return what it says: status, cancel requested. The routes that change a run (cancel,
+    pause) and every move lock it before the run's row and its children's, so none of
+    them waits on another in a cycle."""
+    row = (
+        await conn.execute(
+            select(jobs.c.status, jobs.c.cancel_requested)
+            .where(jobs.c.id == run_id)
+            .with_for_update()
+        )
+    ).one_or_none()
+    return None if row is None else (row.status, row.cancel_requested)
+
+
+async def write_move(
+    conn: AsyncConnection,
+    run_id: str,
+    *,
+    version: int,
+    seen: tuple[str, bool] | None,
+    write: RunWrite,
+) -> bool:
+    """`apply_move` in the caller's write transaction; False where the run changed since
+    (the caller rolls back what it wrote). `seen` None: the caller locked the run's job
+    row (`lock_run`) before it read the run, in this transaction."""
+    if seen is not None and await lock_run(conn, run_id) != seen:
+        return False
+    state = dict(write.run.get("state") or {})
+    seq = int(state.get("metric_seq") or 0)
+    moved = await conn.execute(
+        update(runs)
+        .where(runs.c.id == run_id, runs.c.version == version)
+        .values(
+            {
+                **write.run,
+                "state": {**state, "metric_seq": seq + len(write.metrics)},
+                "version": version + 1,
+                "updated_at": write.job.get("updated_at"),
+            }
+        )
+    )
+    if moved.rowcount != 1:
+        return False
+    for child in write.children:
+        if await conn.scalar(select(jobs.c.id).where(jobs.c.id == child.id)) is None:
+            await enqueue(conn, child)  # a decision taken again finds it made
+    for target in write.cancel:
+        await cancel_job_now(conn, target)
+    for offset, metric in enumerate(write.metrics, start=1):
+        await conn.execute(
+            insert(run_metrics).values(
+                run_id=run_id,
+                seq=seq + offset,
+                kind=metric.kind,
+                step=metric.step,
+                data=metric.data,
+                created_at=write.job.get("updated_at"),
+            )
+        )
+    for event in write.events:
+        await append_event(conn, run_id, event)
+    await conn.execute(update(jobs).where(jobs.c.id == run_id).values(_columns(write)))
     return True
 
 

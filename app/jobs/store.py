@@ -20,10 +20,10 @@ import logging
 import secrets
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
-from typing import Any, ClassVar, cast
+from typing import Any, ClassVar, Protocol, cast
 
 from sqlalchemy import Row, exists, insert, select, update
 from sqlalchemy.exc import IntegrityError
@@ -105,6 +105,24 @@ class LeaseState:
 
 
 # -- new jobs (both dialects) ---------------------------------------------------------------
+
+
+class Joined(Protocol):
+    """Work joined to a job's final write, in its transaction, so that the two commit
+    together: a run's next move when its child ends (`app.runs.driver.JoinedMove`)."""
+
+    async def lock(self, conn: AsyncConnection) -> None:
+        """First in the transaction, before the job's row: the locks the work takes that
+        other writers take before a job's row (a run's row comes before its children's)."""
+
+    async def then(self, conn: AsyncConnection) -> Callable[[], None]:
+        """Last, only where the job's write matched. Returns what to do once the
+        transaction has committed. Raises `LeftOut` where it cannot be done: the
+        transaction rolls back and the job's write is made again without it."""
+
+
+class LeftOut(Exception):
+    """Joined work that cannot be done in this write (`Joined.then`)."""
 
 
 def new_job_id() -> str:
@@ -349,34 +367,46 @@ class QueueStore(ABC):
         *,
         earlier: Sequence[Event] = (),
         only_if_expired: bool = False,
+        joined: Joined | None = None,
     ) -> JobStatus | None:
         """Apply a run's outcome in one write, guarded by the lease token. Returns the
         status written; None when the lease was lost.
 
         `only_if_expired` (recovery): write only if the lease is still expired by the
         lease clock, i.e. its worker did not come back and renew it meanwhile. A retry that
-        finds a cancel asked meanwhile cancels the job instead.
+        finds a cancel asked meanwhile cancels the job instead. `joined`: more work in the
+        same transaction, done once the job's write matched.
         """
-        written = await self._apply(lease, outcome, earlier, only_if_expired)
+        written = await self._apply(lease, outcome, earlier, only_if_expired, joined)
         if written is None and isinstance(outcome, Retry):
             cancelled = Cancelled("retrying", error=outcome.error, job=outcome.job)
-            written = await self._apply(lease, cancelled, earlier, only_if_expired)
+            written = await self._apply(lease, cancelled, earlier, only_if_expired, joined)
         return written
 
     async def _apply(
-        self, lease: Lease, outcome: Outcome, earlier: Sequence[Event], only_if_expired: bool
+        self,
+        lease: Lease,
+        outcome: Outcome,
+        earlier: Sequence[Event],
+        only_if_expired: bool,
+        joined: Joined | None,
     ) -> JobStatus | None:
         write = plan(lease.kind, outcome, attempt=lease.attempt, now=utcnow(), earlier=earlier)
-        return write.status if await self._final(lease, write, only_if_expired) else None
+        return write.status if await self._final(lease, write, only_if_expired, joined) else None
 
-    async def _final(self, lease: Lease, write: FinalWrite, only_if_expired: bool) -> bool:
+    async def _final(
+        self, lease: Lease, write: FinalWrite, only_if_expired: bool, joined: Joined | None
+    ) -> bool:
         # A database that is away for a moment (restart, failover, a busy SQLite file) must
         # not cost a finished job its result: try again for a while. Safe to repeat: once a
         # write committed, the lease token is gone and a repeat matches nothing.
         delay, deadline = 0.1, time.monotonic() + FINAL_WRITE_RETRY_SECONDS
         while True:
             try:
-                return await self._final_once(lease, write, only_if_expired)
+                return await self._final_once(lease, write, only_if_expired, joined)
+            except LeftOut as exc:  # rolled back: the job's write again, alone
+                log.info("job %s: final write without its joined work: %s", lease.job_id, exc)
+                joined = None
             except Exception as exc:
                 if not is_unavailable(exc) or time.monotonic() + delay > deadline:
                     raise
@@ -384,9 +414,15 @@ class QueueStore(ABC):
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, 2.0)
 
-    async def _final_once(self, lease: Lease, write: FinalWrite, only_if_expired: bool) -> bool:
-        """The transaction form: guarded job update and events, a child job, the model."""
+    async def _final_once(
+        self, lease: Lease, write: FinalWrite, only_if_expired: bool, joined: Joined | None
+    ) -> bool:
+        """The transaction form: guarded job update and events, a child job, the model,
+        then the joined work."""
+        committed: Callable[[], None] | None = None
         async with write_connection(self.engine) as conn:
+            if joined is not None:
+                await joined.lock(conn)
             seq = await self._write_job(
                 conn,
                 lease,
@@ -401,7 +437,11 @@ class QueueStore(ABC):
                 await enqueue(conn, write.child)
             if write.model:
                 await self._write_model(conn, lease.model_name, write.model)
-            return True
+            if joined is not None:
+                committed = await joined.then(conn)
+        if committed is not None:
+            committed()
+        return True
 
     async def _write_job(
         self,
@@ -792,9 +832,11 @@ class PostgresStore(QueueStore):
                 break  # every eligible job was seen (see `SqliteStore._claim_once`)
         return claims
 
-    async def _final_once(self, lease: Lease, write: FinalWrite, only_if_expired: bool) -> bool:
-        if write.child is not None:
-            return await super()._final_once(lease, write, only_if_expired)
+    async def _final_once(
+        self, lease: Lease, write: FinalWrite, only_if_expired: bool, joined: Joined | None
+    ) -> bool:
+        if write.child is not None or joined is not None:
+            return await super()._final_once(lease, write, only_if_expired, joined)
         # One statement outside a transaction, so it commits by itself: one round trip
         # where BEGIN, three statements and COMMIT took five.
         keys, params = _write_params(lease, write.job, write.events)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -21,12 +21,13 @@ from app.jobs.lifecycle import (
     Event,
     EventType,
     Failed,
+    JobStatus,
     JobUpdate,
     Outcome,
     Retry,
     retry_or_fail,
 )
-from app.jobs.store import Claim, Lease, LeaseState, QueueStore
+from app.jobs.store import Claim, Joined, Lease, LeaseState, QueueStore
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -36,12 +37,20 @@ PROGRESS_SECONDS = 0.25
 @dataclass(frozen=True)
 class RunContext:
     """What a runner works with. `signal` is called after each write of events (it wakes
-    this process's event streams)."""
+    this process's event streams). `joined`: work the job's final write does in its
+    transaction (a run's child: the run's next move)."""
 
     store: QueueStore
     backends: Backends
     settings: Settings
     signal: Callable[[], None] = lambda: None
+    joined: Joined | None = None
+
+    async def apply(
+        self, lease: Lease, outcome: Outcome, *, earlier: Sequence[Event] = ()
+    ) -> JobStatus | None:
+        """The job's final write (`QueueStore.apply`), with the joined work."""
+        return await self.store.apply(lease, outcome, earlier=earlier, joined=self.joined)
 
 
 @dataclass(frozen=True)

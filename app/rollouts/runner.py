@@ -117,7 +117,7 @@ async def run(claim: Claim, ctx: RunContext) -> None:
         if not inference.base_url:
             raise BackendError(f"backend {claim.backend!r} serves no endpoint", transient=False)
     except Exception as exc:
-        await store.apply(lease, failure(classify(exc), claim, ctx.settings))
+        await ctx.apply(lease, failure(classify(exc), claim, ctx.settings))
         ctx.signal()
         return
     total = len(recipe.examples) * recipe.num_generations
@@ -143,7 +143,7 @@ async def run(claim: Claim, ctx: RunContext) -> None:
         if not work.done():
             work.cancel()
     if outcome is not None:
-        await store.apply(lease, outcome, earlier=progress.take())
+        await ctx.apply(lease, outcome, earlier=progress.take())
     ctx.signal()
 
 

@@ -7,7 +7,8 @@ touches only the database: read the run and the children its state names, `decid
 run's `version`. Two drivers that decide at once cannot both write: the second matches
 no row, rolls back (with any child job it inserted) and decides again from what the first
 wrote. A crash between deciding and writing loses nothing but the decision, which the
-next driver takes again; a child's deterministic id makes it the same job.
+next driver takes again; a child's deterministic id makes it the same job. When a child
+ends, its run's move is made in the child's final write (`JoinedMove`).
 
 The slow work is the children's, claimed by workers like any job. Pruning checkpoints,
 which calls the backend, runs after the write and is idempotent.
@@ -20,6 +21,7 @@ import contextlib
 import hashlib
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol, cast
@@ -31,16 +33,34 @@ from app.backends import Backends
 from app.datasets import THREAD_BYTES, load_splits
 from app.db import is_unavailable, utcnow
 from app.errors import ProblemError
-from app.jobs.lifecycle import JobKind, JobStatus, NewJob, RunMetric, RunMove, plan_run, run_status
+from app.jobs.lifecycle import (
+    JobKind,
+    JobStatus,
+    NewJob,
+    RunMetric,
+    RunMove,
+    RunWrite,
+    plan_run,
+    run_status,
+)
 from app.jobs.payloads import Payload
-from app.jobs.runs import apply_move, model_step
+from app.jobs.runs import apply_move, lock_run, model_step, write_move
 from app.jobs.statements import jobs
-from app.jobs.store import Claim, QueueStore, new_job
+from app.jobs.store import Claim, LeftOut, QueueStore, new_job
 from app.models import RunMetricRow, RunRow
 from app.notify import Notifier
 from app.rollouts import spec as rollout_spec
 from app.runs import spec as run_spec
-from app.runs.schedule import Child, Create, Decision, Plan, child_id, decide, waiting_id
+from app.runs.schedule import (
+    Child,
+    Create,
+    Decision,
+    Plan,
+    child_id,
+    decide,
+    queues_next,
+    waiting_id,
+)
 from app.runs.state import RunState
 from app.runs.state import decode as decode_state
 from app.schemas.rollouts import RolloutSummary
@@ -68,11 +88,34 @@ class Loaded:
 
 class Claimer(Protocol):
     """A worker that claims the children a move queues in the move's own transaction:
-    `claim_in` runs inside it, `run_claims` once it has committed."""
+    `claim_in` runs inside it (`slots`: at most that many; None: its free slots),
+    `run_claims` once it has committed."""
 
-    async def claim_in(self, conn: AsyncConnection) -> list[Claim]: ...
+    async def claim_in(self, conn: AsyncConnection, *, slots: int | None = None) -> list[Claim]: ...
 
     def run_claims(self, claims: list[Claim]) -> None: ...
+
+
+@dataclass
+class _Decided:
+    """A decision on a run, planned as its write, not yet written."""
+
+    run_id: str
+    run: Any  # the `_RUN` row it was taken from
+    loaded: Loaded
+    decision: Decision
+    children: dict[str, Child]
+    starting: bool
+    prune: bool  # checkpoints to prune (before the write where the run ends)
+    write: RunWrite
+
+    @property
+    def seen(self) -> tuple[str, bool]:
+        return self.run.status, self.run.cancel_requested
+
+    @property
+    def ends_pruning(self) -> bool:
+        return self.prune and self.decision.status is not None
 
 
 class RunDriver:
@@ -121,14 +164,51 @@ class RunDriver:
         the run now waits on a child that had already ended (a rollout started early), or
         another driver moved it first."""
         async with self.store.engine.connect() as conn:
-            run = (await conn.execute(_RUN, {"run_id": run_id})).one()
-            if JobStatus(run.status).is_final:
-                return False, False
-            loaded = await self._load(conn, run_id)
-            state = decode_state(run.state)
-            children = await _children(conn, run_id, state)
-            starting = run.status == JobStatus.queued.value
-            start_step = await model_step(conn, run.model_name) if starting else None
+            decided = await self._decide(conn, run_id)
+        if decided is None:
+            return False, False
+        if decided.ends_pruning:
+            # A run that ends has pruned first: what its owner lists once it has ended is
+            # what it keeps. Idempotent: redone if the write below loses to another driver.
+            await self._prune_now(
+                decided.run.model_name,
+                decided.decision.state,
+                decided.loaded.spec.checkpoints.keep_best,
+            )
+        taken: list[Claim] = []
+
+        async def take(conn: AsyncConnection) -> None:
+            assert claimer is not None
+            taken.extend(await claimer.claim_in(conn))
+
+        then = take if claimer is not None and decided.decision.create else None
+        written = await apply_move(
+            self.store.engine,
+            run_id,
+            version=decided.run.version,
+            seen=decided.seen,
+            write=decided.write,
+            then=then,
+        )
+        if not written:
+            return False, True  # another driver moved it: decide again from its state
+        return True, self._moved(decided, claimer, taken)
+
+    def joined(self, run_id: str, job_id: str, claimer: Claimer) -> JoinedMove:
+        """The run's next move, to make in the final write of its child `job_id`."""
+        return JoinedMove(self, run_id, job_id, claimer)
+
+    async def _decide(self, conn: AsyncConnection, run_id: str) -> _Decided | None:
+        """Read the run and the children its state names, and decide (`decide`, pure);
+        None where there is nothing to write (the run has ended, or nothing changed)."""
+        run = (await conn.execute(_RUN, {"run_id": run_id})).one()
+        if JobStatus(run.status).is_final:
+            return None
+        loaded = await self._load(conn, run_id)
+        state = decode_state(run.state)
+        children = await _children(conn, run_id, state)
+        starting = run.status == JobStatus.queued.value
+        start_step = await model_step(conn, run.model_name) if starting else None
         decision = decide(
             loaded.plan,
             run_id,
@@ -138,42 +218,31 @@ class RunDriver:
             cancel_requested=run.cancel_requested,
         )
         if not decision.changed and decision.state == state and not starting:
-            return False, False
+            return None
         if start_step is not None:
             decision.state.start_step = start_step
-        prune = decision.prune and loaded.spec.checkpoints.prune
-        if prune and decision.status is not None:
-            # A run that ends has pruned first: what its owner lists once it has ended is
-            # what it keeps. Idempotent: redone if the write below loses to another driver.
-            await self._prune_now(run.model_name, decision.state, loaded.spec.checkpoints.keep_best)
         move = self._move_of(run_id, run.model_name, decision, loaded, start_step)
-        current = run_status(JobStatus(run.status), run.paused)
-        write = plan_run(current, move, now=utcnow())
-        seen = (run.status, run.cancel_requested)
-        taken: list[Claim] = []
+        write = plan_run(run_status(JobStatus(run.status), run.paused), move, now=utcnow())
+        prune = decision.prune and loaded.spec.checkpoints.prune
+        return _Decided(run_id, run, loaded, decision, children, starting, prune, write)
 
-        async def take(conn: AsyncConnection) -> None:
-            assert claimer is not None
-            taken.extend(await claimer.claim_in(conn))
-
-        then = take if claimer is not None and decision.create else None
-        written = await apply_move(
-            self.store.engine, run_id, version=run.version, seen=seen, write=write, then=then
-        )
-        if not written:
-            return False, True  # another driver moved it: decide again from its state
+    def _moved(self, decided: _Decided, claimer: Claimer | None, taken: list[Claim]) -> bool:
+        """What follows a move once it has committed; returns whether another move may
+        follow at once (see `_move`)."""
+        run_id, decision = decided.run_id, decided.decision
         if claimer is not None and taken:
             claimer.run_claims(taken)  # committed: they are this worker's now
-        if {child.id for child in write.children} - {c.lease.job_id for c in taken}:
+        if {child.id for child in decided.write.children} - {c.lease.job_id for c in taken}:
             self.notifier.jobs_changed()  # a child is left for another worker
         self.notifier.events_appended(run_id)
         for cancelled in decision.cancel:
             self.notifier.events_appended(cancelled)
-        if prune and decision.status is None:
-            self._prune_soon(run.model_name, decision.state, loaded.spec.checkpoints.keep_best)
+        if decided.prune and decision.status is None:
+            keep_best = decided.loaded.spec.checkpoints.keep_best
+            self._prune_soon(decided.run.model_name, decision.state, keep_best)
         waiting = waiting_id(run_id, decision.state)
-        ended = waiting in children and children[waiting].status.is_final
-        return True, decision.status is None and (ended or starting)
+        ended = waiting in decided.children and decided.children[waiting].status.is_final
+        return decision.status is None and (ended or decided.starting)
 
     def _move_of(
         self,
@@ -365,6 +434,70 @@ class RunDriver:
                         log.debug("model %s: step %s kept: %s", model, step, exc)
         except ProblemError as exc:  # the backend keeps no checkpoints here
             log.debug("model %s: no checkpoints to prune: %s", model, exc)
+
+
+class JoinedMove:
+    """A run's next move made in its child's final write (`QueueStore.apply(joined=...)`):
+    the child's end, the run's decision, the children it queues and the claim of the next
+    job into the slot the child frees commit together, where they took four transactions
+    one after another (`bench.runs`). The run's job row is locked first, as every move and
+    the routes that change a run lock it before a child's row.
+
+    Where the move would wait on what a transaction should not (the run's spec not yet
+    read by this process, checkpoints to prune as the run ends), or fails, it makes none
+    (`settled` stays False) and the worker advances the run after the write, as before:
+    a failure raises `LeftOut`, and the store makes the child's write again without it.
+    """
+
+    def __init__(self, driver: RunDriver, run_id: str, job_id: str, claimer: Claimer) -> None:
+        self.driver, self.run_id, self.job_id, self.claimer = driver, run_id, job_id, claimer
+        self.settled = False  # the run needs no advance after the write (but `again`)
+        self.again = False  # another move may follow at once (see `RunDriver._move`)
+        self.claimed = 0  # jobs claimed into the slot the child frees
+
+    async def lock(self, conn: AsyncConnection) -> None:
+        await lock_run(conn, self.run_id)
+
+    async def then(self, conn: AsyncConnection) -> Callable[[], None]:
+        self.settled, self.again, self.claimed = False, False, 0
+        if self.run_id not in self.driver._loaded:  # read off the loop, after the write
+            return _nothing
+        try:
+            taken: list[Claim] = []
+            # A rollout's write queued its training job: claim it before deciding (the run
+            # waits on it). Otherwise decide first: the move queues what the slot takes.
+            first = queues_next(self.job_id)
+            if first:
+                taken = await self.claimer.claim_in(conn, slots=1)
+            decided = await self.driver._decide(conn, self.run_id)
+            if decided is not None:
+                if decided.ends_pruning:  # pruned before the run's end is written: after
+                    raise LeftOut("the run ends: its checkpoints are pruned first")
+                # `lock` took the run's row before `_decide` read it: seen None.
+                version, write = decided.run.version, decided.write
+                if not await write_move(conn, self.run_id, version=version, seen=None, write=write):
+                    raise LeftOut("the run changed")  # not while its row is locked
+            if not first:
+                taken = await self.claimer.claim_in(conn, slots=1)
+        except (LeftOut, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # the child's write is made again without the move
+            if is_unavailable(exc):
+                raise  # the write is tried again as it is
+            raise LeftOut(f"{type(exc).__name__}: {exc}") from exc
+
+        def committed() -> None:
+            self.settled, self.claimed = True, len(taken)
+            if decided is None:
+                self.claimer.run_claims(taken)
+            else:
+                self.again = self.driver._moved(decided, self.claimer, taken)
+
+        return committed
+
+
+def _nothing() -> None:
+    pass
 
 
 _child_jobs = jobs.alias("child")

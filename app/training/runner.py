@@ -78,12 +78,12 @@ async def run(claim: Claim, ctx: RunContext) -> None:
             work = _work(claim.payload)
         start_step = await adapter.get_step(claim.model)
     except Exception as exc:  # nothing was trained: record the real error
-        await store.apply(lease, failure(classify(exc), claim, ctx.settings))
+        await ctx.apply(lease, failure(classify(exc), claim, ctx.settings))
         ctx.signal()
         return
     stale = stale_policy(claim, start_step)
     if stale is not None:
-        await store.apply(lease, stale)
+        await ctx.apply(lease, stale)
         ctx.signal()
         return
     progress = Progress(EventType.gradient_step)
@@ -107,7 +107,7 @@ async def run(claim: Claim, ctx: RunContext) -> None:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await train
     if outcome is not None:
-        written = await store.apply(lease, outcome, earlier=progress.take())
+        written = await ctx.apply(lease, outcome, earlier=progress.take())
         ctx.signal()
         if written is JobStatus.succeeded:
             # After the final write: the step stands whatever retention does.
