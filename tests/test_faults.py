@@ -54,6 +54,11 @@ PROBLEM_JSON = "application/problem+json"
 needs_postgres = pytest.mark.skipif(
     not POSTGRES_URL, reason="needs TRAINYARD_TEST_DATABASE_URL (a Postgres server)"
 )
+restarts_the_server = pytest.mark.skipif(
+    bool(os.environ.get("TRAINYARD_TEST_SHARED_POSTGRES")),
+    reason="TRAINYARD_TEST_SHARED_POSTGRES: another copy of the suite uses this Postgres server "
+    "now (scripts/stress_suite.sh); restarting it would fail that copy's tests",
+)
 
 
 # -- shared checks ---------------------------------------------------------------------------
@@ -493,6 +498,7 @@ class Submitter:
 
 @pytest.mark.slow
 @needs_postgres
+@restarts_the_server
 async def test_postgres_restart_mid_load_loses_no_accepted_job(
     pg: tuple[Settings, AsyncEngine],
 ) -> None:

@@ -9,13 +9,13 @@ from datetime import timedelta
 
 import pytest
 from prometheus_client import CollectorRegistry
-from sqlalchemy import Interval, literal, update
+from sqlalchemy import Interval, func, literal, select, update
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from app.db import write_connection
 from app.jobs.lifecycle import JobKind
 from app.jobs.store import QueueStore, enqueue, new_job
-from app.metrics import ProjectCounters, job_events
+from app.metrics import ProjectCounters, job_events, jobs
 from app.models import DEFAULT_PROJECT_ID
 from tests import factories as f
 from tests.processes import until
@@ -47,6 +47,7 @@ async def test_counters_by_project_grow_as_jobs_end(serve) -> None:
         first = await c.get("/metrics", headers=ROOT)
         assert first.status_code == 200, first.text
         assert "trainyard_project_jobs_submitted_total{" not in first.text
+        counted_from = live.app.state.metrics.projects.cursor  # the first scrape's last event
         done = [await _job(c, a_write, "a1"), await _job(c, a_write, "a1")]
         done.append(await _job(c, b_write, "b1"))
         stopped = await _job(c, b_write, "b-slow")
@@ -74,15 +75,30 @@ async def test_counters_by_project_grow_as_jobs_end(serve) -> None:
         assert sample(text, submitted, project=a, kind="training") == 2
         assert sample(text, submitted, project=b, kind="training") == 2
         finished = "trainyard_project_jobs_finished_total"
-        # `before` ended after the first scrape: its end counts, its submission does not.
-        assert sample(text, finished, project=a, kind="training", status="succeeded") == 3
+        # `before` was submitted before the first scrape: its submission does not count, its
+        # end does where it came after that scrape (the job may well have ended before it).
+        async with live.app.state.engine.connect() as conn:
+            before_end = await conn.scalar(
+                select(func.max(job_events.c.id)).where(job_events.c.job_id == before)
+            )
+            began, ended = (
+                await conn.execute(
+                    select(jobs.c.started_at, jobs.c.finished_at).where(jobs.c.id == before)
+                )
+            ).one()
+        ended_after = int(before_end > counted_from)
+        uncounted = {a: 0.0 if ended_after else (ended - began).total_seconds(), b: 0.0}
+        assert sample(text, finished, project=a, kind="training", status="succeeded") == (
+            2 + ended_after
+        )
         assert sample(text, finished, project=b, kind="training", status="succeeded") == 1
         # Seconds as GET /v1/usage counts them, from the same columns.
         for pid in (a, b):
             usage = await c.get("/v1/usage", params={"project_id": pid}, headers=ROOT)
             seconds = sample(text, "trainyard_project_trainer_seconds_total", project=pid)
             assert seconds > 0
-            assert seconds == pytest.approx(usage.json()["total"]["trainer_seconds"], abs=0.01)
+            used = usage.json()["total"]["trainer_seconds"] - uncounted[pid]
+            assert seconds == pytest.approx(used, abs=0.01)
         assert sample(text, "trainyard_project_rollout_seconds_total", project=a) == 0
         # Counters only grow: a scrape with nothing new leaves them as they were.
         again = (await c.get("/metrics", headers=ROOT)).text
