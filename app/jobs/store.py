@@ -6,8 +6,8 @@ reads, the transaction form of a final write) and `store_for` picks its dialect 
 where the engine is built: `SqliteStore` takes jobs inside one `BEGIN IMMEDIATE`
 transaction (one process writes); `PostgresStore` makes the hot path, a claim and a final
 write, one statement each (`app.jobs.statements`), run outside a transaction so it commits
-by itself. Paths that are not hot (enqueueing, cancel, a child job) have one
-implementation for both.
+by itself. Paths that are not hot (enqueueing, cancel, a child job, work joined to a final
+write: a run's move) have one implementation for both.
 
 Every write to a running job is guarded by its lease token: a worker that lost its lease
 (another recovered the job) matches zero rows, and stops.
