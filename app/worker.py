@@ -115,8 +115,15 @@ class Worker:
     # -- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Announce this worker, then run its loop in the background."""
-        await self._beat()
+        """Announce this worker, then run its loop in the background. A database that is
+        away now (restarting, locked) does not stop it: the loop announces it once the
+        database is back, as it renews every heartbeat."""
+        try:
+            await self._beat()
+        except Exception as exc:
+            if not is_unavailable(exc):
+                raise
+            log.warning("worker %s: database unavailable at start (%s); retrying", self.id, exc)
         self._loop_task = asyncio.create_task(self.run(), name=f"worker:{self.id}")
         self._webhooks_task = asyncio.create_task(
             self.webhooks.run(self._stopping), name=f"webhooks:{self.id}"

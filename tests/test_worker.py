@@ -13,6 +13,7 @@ from sqlalchemy.exc import IntegrityError
 from app.backends import Backends
 from app.db import create_engine, create_sessionmaker, transaction, utcnow
 from app.jobs.lifecycle import ErrorInfo, EventType, JobStatus, Retry, Succeeded
+from app.jobs.statements import workers
 from app.jobs.store import Claim, store_for
 from app.models import JobEventRow, JobRow, ModelRow
 from app.notify import Notifier
@@ -23,6 +24,7 @@ from app.training.service import create_training_job, prepare
 from app.worker import Worker
 from tests import factories as f
 from tests.backends import FlakyBackend, RecordingBackend
+from tests.processes import until
 
 STARTED = (EventType.training_started, {})
 
@@ -534,6 +536,41 @@ async def test_a_final_write_waits_out_a_database_that_is_away(env: Env) -> None
         assert (await env.row(job_id)).status == "succeeded"
     finally:
         lock.close()
+        await engine.dispose()
+
+
+async def test_a_worker_whose_database_is_away_at_start_announces_itself_once_back(
+    env: Env,
+) -> None:
+    """A `trainyard worker` that starts while its database restarts keeps going (it used
+    to exit on its first heartbeat): its loop announces it once the database is back."""
+    if env.engine.dialect.name != "sqlite":
+        pytest.skip("a write lock held from outside is SQLite's way to be away")
+    import sqlite3
+
+    engine = create_engine(env.settings.database_url, sqlite_busy_timeout=0.05)
+    worker = Worker(
+        settings=env.settings,
+        store=store_for(engine),
+        backends=Backends(env.settings, {"dry-run": env.backend}),
+        notifier=Notifier(),
+    )
+    lock = sqlite3.connect(env.engine.url.database, isolation_level=None)
+    try:
+        lock.execute("BEGIN EXCLUSIVE")
+        await worker.start()
+        assert worker.last_heartbeat is None
+        lock.execute("COMMIT")
+
+        async def announced() -> bool:
+            async with engine.connect() as conn:
+                found = await conn.scalar(select(workers.c.id).where(workers.c.id == worker.id))
+            return found is not None
+
+        await until(announced, what="the worker's first heartbeat")
+    finally:
+        lock.close()
+        await worker.stop()
         await engine.dispose()
 
 
