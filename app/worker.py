@@ -261,9 +261,8 @@ class Worker:
         # queued its training job itself: claim that first. Then move the run on,
         # claiming whatever child the move queues in the move's own transaction.
         refilled = False
-        if run_id is not None and not self._stopping.is_set():
-            assert joined is not None
-            running = len(self.tasks)
+        if joined is not None and not self._stopping.is_set():
+            run_id, running = joined.run_id, len(self.tasks)
             try:
                 if joined.settled:
                     refilled = joined.claimed > 0

@@ -198,6 +198,10 @@ class RunDriver:
         """The run's next move, to make in the final write of its child `job_id`."""
         return JoinedMove(self, run_id, job_id, claimer)
 
+    def has_loaded(self, run_id: str) -> bool:
+        """Whether this process has read the run's spec (`_load`)."""
+        return run_id in self._loaded
+
     async def _decide(self, conn: AsyncConnection, run_id: str) -> _Decided | None:
         """Read the run and the children its state names, and decide (`decide`, pure);
         None where there is nothing to write (the run has ended, or nothing changed)."""
@@ -460,7 +464,7 @@ class JoinedMove:
 
     async def then(self, conn: AsyncConnection) -> Callable[[], None]:
         self.settled, self.again, self.claimed = False, False, 0
-        if self.run_id not in self.driver._loaded:  # read off the loop, after the write
+        if not self.driver.has_loaded(self.run_id):  # read off the loop, after the write
             return _nothing
         try:
             taken: list[Claim] = []
@@ -479,7 +483,7 @@ class JoinedMove:
                     raise LeftOut("the run changed")  # not while its row is locked
             if not first:
                 taken = await self.claimer.claim_in(conn, slots=1)
-        except (LeftOut, asyncio.CancelledError):
+        except LeftOut:
             raise
         except Exception as exc:  # the child's write is made again without the move
             if is_unavailable(exc):
