@@ -246,6 +246,58 @@ async def test_last_used_at_is_written_off_the_request_path(serve) -> None:
         await until(used, "last_used_at written")
 
 
+async def test_a_change_is_in_the_audit_log_before_its_answer_ends(
+    serve, database_url: str
+) -> None:
+    """The event is queued before the answer's last byte is sent, so a client that reads the
+    log as soon as an answer is in finds it there, however late the server's own task goes on
+    after the send. Here the log is read from inside the last send of each answer."""
+    async with serve(**FRESH) as live:
+        found: dict[str, list[tuple[str, int]]] = {}
+
+        async def call(path: str, body: bytes, headers: list[tuple[bytes, bytes]]) -> int:
+            status = 0
+
+            async def receive() -> dict[str, Any]:
+                return {"type": "http.request", "body": body, "more_body": False}
+
+            async def send(message: dict[str, Any]) -> None:
+                nonlocal status
+                if message["type"] == "http.response.start":
+                    status = message["status"]
+                elif not message.get("more_body", False):
+                    page = await live.client.get("/v1/audit-events", headers=ROOT)
+                    found[path] = [(e["route"], e["status"]) for e in page.json()["data"]]
+
+            scope = {
+                "type": "http",
+                "asgi": {"version": "3.0"},
+                "http_version": "1.1",
+                "method": "POST",
+                "scheme": "http",
+                "path": path,
+                "raw_path": path.encode(),
+                "root_path": "",
+                "query_string": b"",
+                "headers": [(b"content-type", b"application/json"), *headers],
+                "client": ("127.0.0.1", 50000),
+                "server": ("127.0.0.1", 80),
+            }
+            await live.app(scope, receive, send)
+            return status
+
+        json_ = [(b"host", b"127.0.0.1")]
+        assert (
+            await call(
+                "/v1/projects", b'{"name": "p"}', [*json_, (b"authorization", b"Bearer root")]
+            )
+            == 201
+        )
+        assert await call("/v1/models", b"{}", json_) == 401
+        assert found["/v1/projects"][0] == ("/v1/projects", 201)
+        assert found["/v1/models"][0] == ("/v1/models", 401)
+
+
 async def test_every_change_is_audited_without_a_secret(serve, database_url: str) -> None:
     async with serve(**FRESH) as live:
         c = live.client

@@ -177,7 +177,8 @@ class ApiKeys:
 
     Every other request gets an `X-Request-ID` (the client's, if sane) in its answer, and
     one that may change something (POST, PUT, PATCH, DELETE, but for `READ_ONLY_POSTS`) is
-    recorded in the audit log once answered (`app.tenants.audit`), whatever its answer."""
+    recorded in the audit log, whatever its answer: queued as the answer's last byte is sent
+    (`app.tenants.audit`), so a read of the log that follows the answer finds it."""
 
     def __init__(
         self,
@@ -235,8 +236,22 @@ class ApiKeys:
         method: str = scope["method"]
         audited = tenants is not None and method in CHANGES and path not in READ_ONLY_POSTS
         answer: dict[str, Any] = {"status": 0}
+        recorded = False
+
+        def audit_event() -> dict[str, Any]:
+            who = principal or Principal(key_id=None, project_id=None, scopes=frozenset())
+            return {
+                "key_id": who.key_id,
+                "project_id": who.project_id,
+                "method": method,
+                "route": _template(scope, path),
+                "resource_id": _resource_id(scope, answer),
+                "status": answer["status"],
+                "request_id": request_id,
+            }
 
         async def send_with_id(message: Message) -> None:
+            nonlocal recorded
             if message["type"] == "http.response.start":
                 answer["status"] = message["status"]
                 answer["headers"] = message.get("headers", [])
@@ -252,6 +267,16 @@ class ApiKeys:
                 and len(message.get("body", b"")) <= _SMALL_ANSWER
             ):
                 answer["body"] = message.get("body", b"")
+            if (
+                audited
+                and tenants is not None
+                and not recorded
+                and message["type"] == "http.response.body"
+                and not message.get("more_body", False)
+            ):
+                # Queued before the answer's last byte leaves: a client that reads the log
+                # after this answer finds it there (past a full queue, the finally waits).
+                recorded = tenants.audit.offer_event(**audit_event())
             await send(message)
 
         try:
@@ -265,17 +290,8 @@ class ApiKeys:
                 return
             await self.app(scope, receive, send_with_id)
         finally:
-            if audited and answer["status"] and tenants is not None:
-                who = principal or Principal(key_id=None, project_id=None, scopes=frozenset())
-                await tenants.audit.record(
-                    key_id=who.key_id,
-                    project_id=who.project_id,
-                    method=method,
-                    route=_template(scope, path),
-                    resource_id=_resource_id(scope, answer),
-                    status=answer["status"],
-                    request_id=request_id,
-                )
+            if audited and answer["status"] and tenants is not None and not recorded:
+                await tenants.audit.record(**audit_event())
 
     async def _refuse(
         self,

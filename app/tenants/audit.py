@@ -52,6 +52,14 @@ class BatchWriter:
     async def put(self, row: dict[str, Any]) -> None:
         await self._queue.put(row)
 
+    def offer(self, row: dict[str, Any]) -> bool:
+        """Queue `row` now if there is room (False when full: `put` it later, waiting)."""
+        try:
+            self._queue.put_nowait(row)
+        except asyncio.QueueFull:
+            return False
+        return True
+
     async def _run(self) -> None:
         while True:
             first = await self._queue.get()
@@ -94,8 +102,17 @@ class AuditLog(BatchWriter):
     name = "audit-log"
 
     async def record(self, **event: Any) -> None:
+        await self.put(self.row(**event))
+
+    def offer_event(self, **event: Any) -> bool:
+        """Queue the event before the answer's last byte is sent, so a read of the log
+        that follows the answer (after `flush`) sees it; False when the queue is full."""
+        return self.offer(self.row(**event))
+
+    @staticmethod
+    def row(**event: Any) -> dict[str, Any]:
         at = utcnow()
-        await self.put({"id": new_event_id(at), "at": at, **event})
+        return {"id": new_event_id(at), "at": at, **event}
 
 
 async def prune(
