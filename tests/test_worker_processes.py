@@ -38,11 +38,11 @@ async def plain_env(make_settings, tmp_path):
         yield env
 
 
-@pytest.mark.parametrize("round_", range(3))
+@pytest.mark.parametrize("round_", range(2))
 async def test_sigkill_mid_training_then_a_new_worker_finishes_it_once(plain_env, round_) -> None:
     env = plain_env
-    # Even rounds: killed while the trainer works (not advanced: retried).
-    # Odd rounds: killed after the step landed but before the worker applied it (counted).
+    # Round 0: killed while the trainer works (not advanced: retried).
+    # Round 1: killed after the step landed but before the worker applied it (counted).
     # The worker runs in slices and is looked at while stopped (SIGSTOP), so the kill lands
     # in the state it was seen in however busy the machine (no sleep racing the trainer).
     after_step = round_ % 2 == 1
