@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter as Counter_
+from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
@@ -27,6 +28,7 @@ from app.backends.admission import Admission
 from app.db import utcnow
 from app.jobs import pools
 from app.jobs.lifecycle import VOCABULARY, EventType, JobStatus
+from app.jobs.usage import seconds_of
 from app.models import JobEventRow, JobRow, WebhookDeliveryRow, WebhookEndpointRow
 from app.tenants.usage import ROLLOUT_KINDS, TRAINER_KINDS
 
@@ -42,8 +44,8 @@ ENDS = frozenset(
 
 class ProjectCounters:
     """Counters by project that only grow: jobs submitted (by kind), jobs finished (by kind
-    and status), trainer and rollout seconds (as `GET /v1/usage` counts them: a job from
-    its last claim to its end, added when it ends). Read at scrape time from the job event
+    and status), trainer and rollout seconds (as `GET /v1/usage` counts them: every attempt
+    of a job, added when it ends). Read at scrape time from the job event
     log, past the last event the previous scrape read: a job's first event (its
     submission) and the event that ends it, joined to the job by its key. A scrape reads
     at most `BATCH` of them (what is left waits for the next) and never scans the jobs.
@@ -117,6 +119,9 @@ class ProjectCounters:
                     jobs.c.status,
                     jobs.c.started_at,
                     jobs.c.finished_at,
+                    jobs.c.attempts,
+                    jobs.c.returned_at_attempt,
+                    jobs.c.earlier_seconds,
                 )
                 .join(jobs, jobs.c.id == job_events.c.job_id)
                 .where(
@@ -151,7 +156,10 @@ class ProjectCounters:
         """Summed per label set first: a counter's `inc` costs more than the row's read."""
         submitted: Counter_[tuple[str, str]] = Counter_()
         finished: Counter_[tuple[str, str, str]] = Counter_()
-        seconds: dict[str, Counter_[str]] = {"trainer": Counter_(), "rollout": Counter_()}
+        seconds: dict[str, defaultdict[str, float]] = {
+            "trainer": defaultdict(float),
+            "rollout": defaultdict(float),
+        }
         for row in rows:
             if row.seq == 1:
                 submitted[row.project_id, row.kind] += 1
@@ -159,7 +167,7 @@ class ProjectCounters:
                 continue
             finished[row.project_id, row.kind, row.status] += 1
             if row.started_at is not None and row.finished_at is not None:
-                took = max(0.0, (row.finished_at - row.started_at).total_seconds())
+                took = seconds_of(row) or 0.0  # every attempt's, as GET /v1/usage
                 if row.kind in TRAINER_KINDS:
                     seconds["trainer"][row.project_id] += took
                 elif row.kind in ROLLOUT_KINDS:

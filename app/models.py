@@ -211,6 +211,12 @@ class JobRow(Base):
     prompt_tokens: Mapped[int | None] = mapped_column(BigInteger)
     completion_tokens: Mapped[int | None] = mapped_column(BigInteger)
     trained_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    # Seconds of the attempts that went back to the queue (migration 0018), each from its
+    # claim to the write that sent it back (`statements.job_update` adds it), and `attempts`
+    # as that write left it: until a claim raises `attempts` past it, the last attempt is
+    # among them. A job's seconds are these and its last attempt's (`usage.seconds_of`).
+    earlier_seconds: Mapped[float] = mapped_column(Float, default=0.0, server_default=text("0"))
+    returned_at_attempt: Mapped[int | None] = mapped_column(Integer)
     # The API key that submitted it (migration 0016); None: a key from TRAINYARD_API_KEYS,
     # no key, or a job that a run or a rollout made.
     key_id: Mapped[str | None] = mapped_column(String(40))

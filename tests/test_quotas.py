@@ -163,19 +163,22 @@ async def test_trainer_seconds_are_clipped_to_the_utc_day(store: QueueStore) -> 
         (noon - timedelta(seconds=70), noon - timedelta(seconds=10), "failed"),  # 60 s
         (noon - timedelta(seconds=30), None, "running"),  # 30 s so far
         (day - timedelta(hours=3), day - timedelta(hours=2), "succeeded"),  # yesterday
-        (noon - timedelta(seconds=50), None, "queued"),  # an attempt ended; waits again
+        (noon - timedelta(seconds=50), None, "queued"),  # its attempt sent back: 40 s
     ]
     for started, finished, status in spans:
         job_id = await _job(store, "m")
+        # As the write that sent it back left it: the attempt's seconds among the earlier.
+        returned = {"attempts": 1, "returned_at_attempt": 1, "earlier_seconds": 40.0}
         async with write_connection(store.engine) as conn:
             await conn.execute(
                 update(jobs)
                 .where(jobs.c.id == job_id)
                 .values(status=status, started_at=started, finished_at=finished)
+                .values(returned if status == "queued" else {})
             )
     async with store.engine.connect() as conn, AsyncSession(bind=conn) as session:
         used = await quotas.trainer_seconds(session, "p", noon)
-    assert used == pytest.approx(390.0)
+    assert used == pytest.approx(430.0)
 
 
 def test_every_submission_passes_the_quota_check() -> None:

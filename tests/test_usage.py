@@ -5,7 +5,9 @@ sets them), so every figure is known."""
 
 from __future__ import annotations
 
+import asyncio
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 from sqlalchemy import func, insert, select, update
@@ -409,3 +411,87 @@ async def test_a_dry_run_prices_a_run_and_stores_nothing_and_a_run_sums_its_chil
     assert run["cost"]["sampled"] == pytest.approx(30 * 1000 / 1e6)
     assert run["cost"]["trainer"] == pytest.approx(60.0)
     assert listed[0]["usage"] == run["usage"]
+
+
+async def test_every_attempt_of_a_retried_job_counts_its_seconds(
+    serve, database_url: str, store
+) -> None:
+    """An attempt sent back to the queue keeps its seconds (to its lease's end, for a worker
+    that died), the wait for a retry adds none, and the job's usage, `GET /v1/usage`, the
+    daily quota and the run-free sum all count every attempt. The claims' times are set in
+    the rows, relative to the clock the writes read: nothing waits on a clock."""
+    from sqlalchemy.ext.asyncio import AsyncSession
+
+    from app.jobs.lifecycle import ErrorInfo, Retry, Succeeded
+    from app.jobs.quotas import trainer_seconds
+
+    error = ErrorInfo(type="ConnectionError", message="refused", transient=True)
+    async with serve(**FRESH) as live:
+        c = live.client
+        a = await project(c, "a")
+        headers = bearer((await key(c, a, "write", "read"))["secret"])
+        assert (await c.post("/v1/models", json=f.model_body("a1"), headers=headers)).is_success
+        job_id = await _job(c, headers, "a1")
+
+        async def attempt(claimed_ago: float, lease_ended_ago: float | None = None) -> Any:
+            [claim] = await store.claim(owner="w1", lease_seconds=30, limit=1)
+            now = datetime.now(UTC)
+            values: dict[str, Any] = {"started_at": now - timedelta(seconds=claimed_ago)}
+            if lease_ended_ago is not None:
+                values["lease_expires_at"] = now - timedelta(seconds=lease_ended_ago)
+            await _times(database_url, job_id, **values)
+            return claim.lease
+
+        async def seconds() -> float:
+            job = (await c.get(f"/v1/training-jobs/{job_id}", headers=headers)).json()
+            return float(job["usage"]["trainer_seconds"])
+
+        # Attempt 1: claimed 100 s ago, sent back now by an error.
+        assert await store.apply(await attempt(100), Retry(error, 0)) == "queued"
+        waiting = await seconds()
+        assert waiting == pytest.approx(100, abs=10)
+        # Waiting for the retry counts nothing: the job's seconds stay where they were.
+        await asyncio.sleep(0.05)
+        assert await seconds() == waiting
+        # Attempt 2: claimed 80 s ago; its worker died and its lease ended 50 s ago.
+        lease = await attempt(80, lease_ended_ago=50)
+        assert await store.apply(lease, Retry(error, 0), only_if_expired=True) == "queued"
+        assert await seconds() == pytest.approx(waiting + 30, abs=1)
+        # Attempt 3: claimed 20 s ago, succeeds now.
+        assert await store.apply(await attempt(20), Succeeded({})) == "succeeded"
+        total = await seconds()
+        assert total == pytest.approx(150, abs=10)
+
+        # Moved to a day of its own: the window and the day's quota count every attempt.
+        row = (await c.get(f"/v1/training-jobs/{job_id}", headers=headers)).json()
+        last = (
+            datetime.fromisoformat(row["finished_at"]) - datetime.fromisoformat(row["started_at"])
+        ).total_seconds()
+        start = DAY + timedelta(hours=10)
+        await _times(
+            database_url,
+            job_id,
+            started_at=start,
+            finished_at=start + timedelta(seconds=last),
+        )
+        window = {"from": "2026-11-20T00:00:00Z", "to": "2026-11-21T00:00:00Z"}
+        used = (await c.get("/v1/usage", params=window, headers=headers)).json()
+        assert used["total"]["trainer_seconds"] == pytest.approx(total, abs=0.01)
+        before = {"from": "2026-11-19T00:00:00Z", "to": "2026-11-20T00:00:00Z"}
+        assert (await c.get("/v1/usage", params=before, headers=headers)).json()["total"][
+            "trainer_seconds"
+        ] == 0
+        engine = create_engine(database_url)
+        try:
+            async with AsyncSession(engine) as session:
+                today = await trainer_seconds(session, a, start + timedelta(hours=1))
+        finally:
+            await engine.dispose()
+        assert today == pytest.approx(total, abs=0.01)
+
+        # Sent back after 60 s, then cancelled while it waits: its attempt counts once.
+        job_id = await _job(c, headers, "a1")
+        assert await store.apply(await attempt(60), Retry(error, 60)) == "queued"
+        cancelled = await c.post(f"/v1/training-jobs/{job_id}/cancel", headers=headers)
+        assert cancelled.json()["status"] == "cancelled", cancelled.text
+        assert await seconds() == pytest.approx(60, abs=10)

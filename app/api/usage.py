@@ -27,7 +27,8 @@ DEFAULT_DAYS = 30
     "[`from`, `to`): trainer and rollout seconds, tokens sampled and trained, gateway calls, "
     "grouped, with their estimated cost",
     description="A job counts the seconds it ran within the window (from its last claim to "
-    "its end, or to now while it runs), on the UTC day it started (or `from`), and its "
+    "its end, or to now while it runs; its earlier attempts' if that claim is in the "
+    "window), on the UTC day it started (or `from`), and its "
     "tokens if it ended in the window; a gateway call counts on the day it was answered, "
     "for the calling key's project. group_by=model adds the bytes each model's checkpoints "
     "take now. `from` defaults to 30 days before `to`, `to` to now (a `from` at or after "

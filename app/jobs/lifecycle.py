@@ -190,6 +190,9 @@ class JobUpdate(TypedDict, total=False):
     prompt_tokens: int | None
     completion_tokens: int | None
     trained_tokens: int | None
+    # An attempt sent back to the queue (`Retry`, `Released`): `attempts` after the write.
+    # The write also adds the attempt's seconds to `earlier_seconds` (migration 0018).
+    returned_at_attempt: int
 
 
 ADDED_COLUMNS = frozenset({"prompt_tokens", "completion_tokens", "trained_tokens"})
@@ -390,7 +393,10 @@ def _plan(words: Vocabulary, outcome: Outcome, attempt: int, now: datetime) -> _
             return JobStatus.failed, _with(JobUpdate(error=error), job), event, None, None, False
         case Retry(error, delay_s, job):
             columns = JobUpdate(
-                error=error, not_before=now + timedelta(seconds=delay_s), lease_owner=None
+                error=error,
+                not_before=now + timedelta(seconds=delay_s),
+                lease_owner=None,
+                returned_at_attempt=attempt,
             )
             data = {"error": error, "attempt": attempt, "delay_s": round(delay_s, 3)}
             return (
@@ -415,7 +421,12 @@ def _plan(words: Vocabulary, outcome: Outcome, attempt: int, now: datetime) -> _
             )
         case Released(worker):
             # The token held until now: `attempts` counted this lease; give it back.
-            columns = JobUpdate(lease_owner=None, not_before=now, attempts=attempt - 1)
+            columns = JobUpdate(
+                lease_owner=None,
+                not_before=now,
+                attempts=attempt - 1,
+                returned_at_attempt=attempt - 1,
+            )
             event = (EventType.job_released, {"worker": worker})
             return JobStatus.queued, columns, event, None, None, False
     raise AssertionError(f"unknown outcome {outcome!r}")

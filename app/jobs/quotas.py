@@ -208,7 +208,7 @@ async def trainer_seconds(session: AsyncSession, project_id: str, now: datetime)
         jobs.c.kind == JobKind.training.value,
         jobs.c.started_at.is_not(None),
         jobs.c.started_at < now,
-        or_(jobs.c.status == JobStatus.running.value, jobs.c.finished_at >= day),
+        or_(jobs.c.status.in_(statements.UNFINISHED), jobs.c.finished_at >= day),
     )
     return max(0.0, float(await session.scalar(query) or 0.0))
 

@@ -93,6 +93,8 @@ class JobView:
     prompt_tokens: int | None
     completion_tokens: int | None
     trained_tokens: int | None
+    earlier_seconds: float | None
+    returned_at_attempt: int | None  # whether the last attempt is in `earlier_seconds`
     # The model's, which its prices follow (`app.jobs.usage.Pricing`): not the job's columns.
     backend: str | None = None
     base_model: str | None = None

@@ -52,6 +52,8 @@ from app.settings import DEFAULT_POOL
 
 RUNNING = JobStatus.running.value
 QUEUED = JobStatus.queued.value
+UNFINISHED = (QUEUED, RUNNING)
+"""A job that may still run: queued (perhaps to be retried) or running."""
 jobs = cast(Table, JobRow.__table__)
 models = cast(Table, ModelRow.__table__)
 workers = cast(Table, WorkerRow.__table__)
@@ -144,15 +146,30 @@ def _seconds_on_sqlite(element: seconds_between, compiler: Any, **kw: Any) -> st
     return f"((julianday({end}) - julianday({start})) * 86400.0)"
 
 
+def last_counts() -> ColumnElement[bool]:
+    """Whether a job's last attempt is not yet among its earlier ones (`earlier_seconds`):
+    never sent back, or claimed again since (`attempts` past `returned_at_attempt`)."""
+    return jobs.c.returned_at_attempt.is_(None) | (jobs.c.returned_at_attempt < jobs.c.attempts)
+
+
 def ran_within(
     since: ColumnElement[Any], until: ColumnElement[Any], now: ColumnElement[Any]
 ) -> ColumnElement[float]:
-    """Seconds a job ran within [since, until): from its last claim (`started_at`) to its
-    end, or to `now` while it runs, clipped to the window; 0 outside it. What a project's
-    daily trainer-seconds quota counts (`app.jobs.quotas`) and what `GET /v1/usage` sums."""
+    """Seconds a job ran within [since, until): its last attempt from its claim
+    (`started_at`) to its end, or to `now` while it runs, clipped to the window; and its
+    earlier attempts' (`earlier_seconds`) if that claim is in the window. The last attempt
+    is among the earlier ones once it was sent back (`returned_at_attempt`, until a claim
+    raises `attempts` past it): a job waiting for a retry, or cancelled while it waited,
+    counts each attempt once. What a project's daily trainer-seconds quota counts
+    (`app.jobs.quotas`) and what `GET /v1/usage` sums."""
     start = greatest(jobs.c.started_at, since)
     end = least(func.coalesce(jobs.c.finished_at, now), until)
-    return case((end > start, seconds_between(start, end)), else_=literal(0.0, Float))
+    last = case(
+        (last_counts() & (end > start), seconds_between(start, end)),
+        else_=literal(0.0, Float),
+    )
+    claimed_within = (jobs.c.started_at >= since) & (jobs.c.started_at < until)
+    return last + case((claimed_within, jobs.c.earlier_seconds), else_=literal(0.0, Float))
 
 
 @functools.cache
@@ -233,16 +250,24 @@ def job_update(
         extra.append(jobs.c.lease_expires_at < clock.now())
     if unless_cancel:
         extra.append(jobs.c.cancel_requested.is_(False))
+    now = bindparam("g_now", type_=jobs.c.updated_at.type)
     values: dict[Any, Any] = {
         key: func.coalesce(jobs.c[key], 0) + bindparam(f"v_{key}")
         if key in ADDED_COLUMNS
         else bindparam(f"v_{key}")
         for key in keys
     }
-    values |= {
-        "last_event_seq": jobs.c.last_event_seq + bindparam("g_events"),
-        "updated_at": bindparam("g_now"),
-    }
+    values |= {"last_event_seq": jobs.c.last_event_seq + bindparam("g_events"), "updated_at": now}
+    if "returned_at_attempt" in keys:
+        # An attempt sent back to the queue (retried, handed back, recovered) keeps its
+        # seconds: from its claim to now, or to its lease's end if that came first (a
+        # worker that died ran no later than that). SET reads the row's old values.
+        ran = seconds_between(
+            jobs.c.started_at, least(now, func.coalesce(jobs.c.lease_expires_at, now))
+        )
+        values["earlier_seconds"] = jobs.c.earlier_seconds + case(
+            (jobs.c.started_at.is_not(None), ran), else_=literal(0.0, Float)
+        )
     return (
         update(jobs)
         .where(guarded(*extra))

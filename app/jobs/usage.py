@@ -60,7 +60,34 @@ def seconds_ran(
     return round(max(0.0, (end - started_at).total_seconds()), 3)
 
 
-class Ran(Protocol):
+class Attempts(Protocol):
+    """What a job's seconds are read from (`seconds_of`)."""
+
+    @property
+    def started_at(self) -> datetime | None: ...
+    @property
+    def finished_at(self) -> datetime | None: ...
+    @property
+    def attempts(self) -> int: ...
+    @property
+    def returned_at_attempt(self) -> int | None: ...
+    @property
+    def earlier_seconds(self) -> float | None: ...
+
+
+def seconds_of(job: Attempts) -> float | None:
+    """Every attempt's seconds: the earlier ones' (`earlier_seconds`, written as each went
+    back to the queue) and the last one's unless it is among them (`returned_at_attempt`:
+    see `statements.last_counts`); None: never started."""
+    if job.started_at is None:
+        return None
+    returned = job.returned_at_attempt
+    counts = returned is None or returned < job.attempts
+    last = seconds_ran(job.started_at, job.finished_at) if counts else 0.0
+    return round((job.earlier_seconds or 0.0) + (last or 0.0), 3)
+
+
+class Ran(Attempts, Protocol):
     """What a job's usage is read from: its row, its view, or a row of a query of them."""
 
     @property
@@ -71,14 +98,10 @@ class Ran(Protocol):
     def completion_tokens(self) -> int | None: ...
     @property
     def trained_tokens(self) -> int | None: ...
-    @property
-    def started_at(self) -> datetime | None: ...
-    @property
-    def finished_at(self) -> datetime | None: ...
 
 
 def job_usage(job: Ran) -> JobUsage:
-    seconds = seconds_ran(job.started_at, job.finished_at)
+    seconds = seconds_of(job)
     return JobUsage(
         prompt_tokens=job.prompt_tokens,
         completion_tokens=job.completion_tokens,

@@ -22,6 +22,9 @@ _CHILD_COLUMNS = (
     JobRow.trained_tokens,
     JobRow.started_at,
     JobRow.finished_at,
+    JobRow.attempts,
+    JobRow.returned_at_attempt,
+    JobRow.earlier_seconds,
 )
 
 

@@ -123,7 +123,8 @@ class Quotas(BaseModel):
         ge=0,
         le=QUOTA_MAX,
         description="Seconds training jobs ran (each from its last claim to its end, or to "
-        "now) in the current UTC day. Once used up, submissions are refused with 429 and "
+        "now, and its earlier attempts' if that claim was today) in the current UTC day. "
+        "Once used up, submissions are refused with 429 and "
         "`Retry-After` until midnight UTC; what was queued still runs.",
     )
 
@@ -147,7 +148,7 @@ class UsageRow(BaseModel):
         "`rollout`, `evaluation`, `gateway`) or key id (`none`: jobs no stored key "
         "submitted, e.g. a run's, and keys of TRAINYARD_API_KEYS); `total` for the sum."
     )
-    jobs: int = Field(default=0, description="Jobs counted (each one's last attempt).")
+    jobs: int = Field(default=0, description="Jobs counted (each once, with every attempt).")
     gateway_calls: int = Field(default=0, description="Gateway answers whose tokens are known.")
     trainer_seconds: float = Field(default=0.0, description="Training jobs' time.")
     rollout_seconds: float = Field(

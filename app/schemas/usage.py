@@ -19,10 +19,12 @@ class JobUsage(BaseModel):
         "answer whose logprobs name its tokens, and the other text at 4 bytes a token."
     )
     trainer_seconds: float | None = Field(
-        description="Seconds a training job ran: from its last claim to its end (or now)."
+        description="Seconds a training job ran: every attempt, each from its claim to its "
+        "end (or now; an attempt sent back to the queue, to that write or its lease's end)."
     )
     rollout_seconds: float | None = Field(
-        description="Seconds a rollout or evaluation job ran (sampling and grading)."
+        description="Seconds a rollout or evaluation job ran (sampling and grading), every "
+        "attempt counted as for `trainer_seconds`."
     )
 
 

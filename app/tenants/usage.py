@@ -21,8 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from app.backends import Backends
 from app.checkpoints.service import bytes_kept
 from app.db import utcnow
-from app.jobs.lifecycle import JobStatus
-from app.jobs.statements import greatest, ran_within
+from app.jobs.statements import UNFINISHED, greatest, ran_within
 from app.jobs.usage import ROLLOUT_KINDS, TRAINER_KINDS, Pricing
 from app.models import GatewayUsageRow, JobRow, ModelRow
 from app.schemas.tenants import Usage, UsageRow
@@ -100,7 +99,7 @@ async def _jobs(
             jobs.c.kind.in_(TRAINER_KINDS | ROLLOUT_KINDS),
             jobs.c.started_at.is_not(None),
             jobs.c.started_at < until,
-            or_(jobs.c.status == JobStatus.running.value, jobs.c.finished_at >= since),
+            or_(jobs.c.status.in_(UNFINISHED), jobs.c.finished_at >= since),
         )
         .group_by(group, models.c.backend, models.c.base_model, jobs.c.kind)
     )

@@ -112,6 +112,6 @@ export async function usagePage(query, signal) {
   const scope = project ? (choices?.find((p) => p.id === project)?.name ?? project) : choices ? "every project" : "this key's project";
   return h("section", { "data-page": "usage" }, h("h2", {}, "Usage"),
     h("p", {}, `Jobs that started from ${from} to before ${to} (UTC), `, h("strong", { id: "usage-scope" }, scope),
-      ": each job from its last claim to its end, on the day it started."),
+      ": each job's attempts, on the day of its last claim."),
     filters, h("div", { class: "charts", id: "charts" }, charts), table(["Day", ...names.map(label)], rows));
 }
