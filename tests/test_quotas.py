@@ -165,10 +165,10 @@ async def test_trainer_seconds_are_clipped_to_the_utc_day(store: QueueStore) -> 
         (day - timedelta(hours=3), day - timedelta(hours=2), "succeeded"),  # yesterday
         (noon - timedelta(seconds=50), None, "queued"),  # its attempt sent back: 40 s
     ]
+    # As the write that sent it back leaves a job: the attempt's seconds among the earlier.
+    returned = {"attempts": 1, "returned_at_attempt": 1, "earlier_seconds": 40.0}
     for started, finished, status in spans:
         job_id = await _job(store, "m")
-        # As the write that sent it back left it: the attempt's seconds among the earlier.
-        returned = {"attempts": 1, "returned_at_attempt": 1, "earlier_seconds": 40.0}
         async with write_connection(store.engine) as conn:
             await conn.execute(
                 update(jobs)

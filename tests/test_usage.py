@@ -39,6 +39,28 @@ async def _times(database_url: str, job_id: str, **values: object) -> None:
         await engine.dispose()
 
 
+async def _project_with_a_job(c) -> tuple[str, dict[str, str], str]:
+    """Project `a`, a write key of it, its model `a1` and a training job of that model."""
+    a = await project(c, "a")
+    headers = bearer((await key(c, a, "write", "read"))["secret"])
+    assert (await c.post("/v1/models", json=f.model_body("a1"), headers=headers)).is_success
+    return a, headers, await _job(c, headers, "a1")
+
+
+async def _quota_seconds(database_url: str, project_id: str, now: datetime) -> float:
+    """What the daily trainer-seconds quota counts for the project at `now`."""
+    from sqlalchemy.ext.asyncio import AsyncSession
+
+    from app.jobs.quotas import trainer_seconds
+
+    engine = create_engine(database_url)
+    try:
+        async with AsyncSession(engine) as session:
+            return await trainer_seconds(session, project_id, now)
+    finally:
+        await engine.dispose()
+
+
 async def _job(c, headers, model: str) -> str:
     made = await c.post(
         "/v1/training-jobs",
@@ -252,10 +274,7 @@ async def test_the_daily_quota_and_usage_count_the_same_clipped_seconds(
     and so does a window that starts at that midnight."""
     async with serve(**FRESH) as live:
         c = live.client
-        a = await project(c, "a")
-        headers = bearer((await key(c, a, "write", "read"))["secret"])
-        assert (await c.post("/v1/models", json=f.model_body("a1"), headers=headers)).is_success
-        job_id = await _job(c, headers, "a1")
+        a, headers, job_id = await _project_with_a_job(c)
         midnight = DAY + timedelta(days=1)
         await _times(
             database_url,
@@ -267,16 +286,7 @@ async def test_the_daily_quota_and_usage_count_the_same_clipped_seconds(
         window = {"from": "2026-11-21T00:00:00Z", "to": "2026-11-22T00:00:00Z"}
         used = (await c.get("/v1/usage", params=window, headers=headers)).json()
         both = (await c.get("/v1/usage", params=WINDOW, headers=headers)).json()
-        engine = create_engine(database_url)
-        try:
-            from sqlalchemy.ext.asyncio import AsyncSession
-
-            from app.jobs.quotas import trainer_seconds
-
-            async with AsyncSession(engine) as session:
-                today = await trainer_seconds(session, a, midnight + timedelta(hours=1))
-        finally:
-            await engine.dispose()
+        today = await _quota_seconds(database_url, a, midnight + timedelta(hours=1))
     assert used["total"]["trainer_seconds"] == pytest.approx(900)
     assert today == pytest.approx(900)
     # A window holding all of it counts all of it, on the day it started.
@@ -420,18 +430,12 @@ async def test_every_attempt_of_a_retried_job_counts_its_seconds(
     that died), the wait for a retry adds none, and the job's usage, `GET /v1/usage`, the
     daily quota and the run-free sum all count every attempt. The claims' times are set in
     the rows, relative to the clock the writes read: nothing waits on a clock."""
-    from sqlalchemy.ext.asyncio import AsyncSession
-
     from app.jobs.lifecycle import ErrorInfo, Retry, Succeeded
-    from app.jobs.quotas import trainer_seconds
 
     error = ErrorInfo(type="ConnectionError", message="refused", transient=True)
     async with serve(**FRESH) as live:
         c = live.client
-        a = await project(c, "a")
-        headers = bearer((await key(c, a, "write", "read"))["secret"])
-        assert (await c.post("/v1/models", json=f.model_body("a1"), headers=headers)).is_success
-        job_id = await _job(c, headers, "a1")
+        a, headers, job_id = await _project_with_a_job(c)
 
         async def attempt(claimed_ago: float, lease_ended_ago: float | None = None) -> Any:
             [claim] = await store.claim(owner="w1", lease_seconds=30, limit=1)
@@ -481,12 +485,7 @@ async def test_every_attempt_of_a_retried_job_counts_its_seconds(
         assert (await c.get("/v1/usage", params=before, headers=headers)).json()["total"][
             "trainer_seconds"
         ] == 0
-        engine = create_engine(database_url)
-        try:
-            async with AsyncSession(engine) as session:
-                today = await trainer_seconds(session, a, start + timedelta(hours=1))
-        finally:
-            await engine.dispose()
+        today = await _quota_seconds(database_url, a, start + timedelta(hours=1))
         assert today == pytest.approx(total, abs=0.01)
 
         # Sent back after 60 s, then cancelled while it waits: its attempt counts once.
