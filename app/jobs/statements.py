@@ -37,11 +37,12 @@ from sqlalchemy import (
     true,
     update,
 )
+from sqlalchemy import cast as sql_cast
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, distinct_on
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.dml import Insert, ReturningUpdate, Update
 from sqlalchemy.sql.functions import GenericFunction, ReturnTypeFromArgs
-from sqlalchemy.sql.selectable import Select
+from sqlalchemy.sql.selectable import FromClause, Select
 
 from app.db import utcnow
 from app.jobs import outbox
@@ -285,8 +286,8 @@ def model_update(keys: tuple[str, ...]) -> Update:
     )
 
 
-def _in_pool() -> ColumnElement[bool]:
-    return func.coalesce(models.c.pool, literal(DEFAULT_POOL, String)) == bindparam(
+def _in_pool(table: FromClause = models) -> ColumnElement[bool]:
+    return func.coalesce(table.c.pool, literal(DEFAULT_POOL, String)) == bindparam(
         "w_pool", type_=String
     )
 
@@ -294,10 +295,21 @@ def _in_pool() -> ColumnElement[bool]:
 def fits_on_postgres() -> list[ColumnElement[bool]]:
     """The job's model is one the claiming worker can run: in its pool (`w_pool`; a model
     without one is in `default`), on one of its backends (`w_backends`, an array), asking
-    only for labels it has (`w_labels`: a JSON object the model's labels are contained in)."""
-    backend = models.c.backend == any_(bindparam("w_backends", type_=ARRAY(String)))
-    labels = models.c.labels.op("<@")(bindparam("w_labels", type_=JSONB))
-    return [_in_pool(), backend, or_(models.c.labels.is_(None), labels)]
+    only for labels it has (`w_labels`: a JSON object the model's labels are contained in).
+
+    The fitting models are read once per statement, as an array the job's model must be
+    in. Given as a filter on the joined model row instead, the planner guesses that few
+    models fit (a JSON containment is opaque to it), starts from them, and reads and sorts
+    every queued job of theirs: a claim then cost 5-25 ms with 3,000 jobs queued, growing
+    with the queue, where the walk of the fair-order index costs under 1 ms."""
+    fitting = models.alias("fitting")
+    backend = fitting.c.backend == any_(bindparam("w_backends", type_=ARRAY(String)))
+    labels = fitting.c.labels.op("<@")(bindparam("w_labels", type_=JSONB))
+    names = select(func.array_agg(fitting.c.name)).where(
+        _in_pool(fitting), backend, or_(fitting.c.labels.is_(None), labels)
+    )
+    # The cast makes it an array expression: `ANY (SELECT ...)` would compare each row.
+    return [jobs.c.model_name == any_(sql_cast(names.scalar_subquery(), ARRAY(String)))]
 
 
 def fits_on_sqlite() -> list[ColumnElement[bool]]:
