@@ -520,6 +520,10 @@ class ProjectRow(Base):
     max_queued_jobs: Mapped[int | None] = mapped_column(Integer)
     max_submissions_per_minute: Mapped[int | None] = mapped_column(Integer)
     max_trainer_seconds_per_day: Mapped[int | None] = mapped_column(Integer)
+    # Raised by each Postgres claim that starts jobs of this project while it has a running
+    # quota (migration 0019): a claim whose snapshot read an older value passes the project
+    # over (`app.jobs.statements.claim_query`).
+    claim_seq: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
 
 
 class ApiKeyRow(Base):

@@ -11,11 +11,11 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-from sqlalchemy import func, insert, select, update
+from sqlalchemy import func, insert, select, text, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.db import create_engine, utcnow, write_connection
-from app.jobs import quotas
+from app.jobs import quotas, statements
 from app.jobs.lifecycle import Succeeded
 from app.jobs.statements import jobs, projects
 from app.jobs.store import PostgresStore, QueueStore, store_for
@@ -151,6 +151,85 @@ async def test_concurrent_claims_never_pass_a_running_quota(store: QueueStore) -
             select(func.count()).where(jobs.c.project_id == "capped", jobs.c.status == "running")
         )
     assert running == 3
+
+
+async def test_a_claim_that_starts_a_capped_projects_jobs_raises_its_claim_seq(
+    store: QueueStore,
+) -> None:
+    """Postgres: the mark a claim leaves on a capped project's row, that a claim whose
+    snapshot is older than it finds (see the next test)."""
+    if not isinstance(store, PostgresStore):
+        pytest.skip("SQLite: one writer claims at a time; nothing to mark")
+    await _project(store, "capped", max_running_jobs=3)
+    await _project(store, "free")
+    for name in ("capped-0", "capped-1", "free-0", "free-1"):
+        await _model(store, name, name.split("-")[0])
+    capped = [await _job(store, "capped-0"), await _job(store, "capped-1")]
+    free = [await _job(store, "free-0"), await _job(store, "free-1")]
+
+    async def claim_seqs() -> dict[str, int]:
+        async with store.engine.connect() as conn:
+            rows = await conn.execute(select(projects.c.id, projects.c.claim_seq))
+            return {row.id: row.claim_seq for row in rows if row.id in ("capped", "free")}
+
+    # One claim taking a job of each: one mark, on the capped project only.
+    first = await store.claim(owner="w1", lease_seconds=30, limit=2)
+    assert {c.lease.job_id for c in first} == {capped[0], free[0]}
+    assert await claim_seqs() == {"capped": 1, "free": 0}
+    # A claim that takes only the free project's job leaves no mark.
+    async with write_connection(store.engine) as conn:
+        await conn.execute(
+            update(projects).where(projects.c.id == "capped").values(max_running_jobs=1)
+        )
+    second = await store.claim(owner="w2", lease_seconds=30, limit=2)
+    assert [c.lease.job_id for c in second] == [free[1]]
+    assert await claim_seqs() == {"capped": 1, "free": 0}
+
+
+async def test_a_claim_passes_over_a_project_whose_jobs_started_after_its_snapshot(
+    store: QueueStore,
+) -> None:
+    """The race a capped claim closes in one statement: claim B's snapshot is taken, claim
+    A starts the capped project's jobs and commits, then B reaches the project's row. B's
+    count of running jobs is stale, so B must not take that project's jobs. B is held
+    between the two steps deterministically: its statement waits for an advisory lock the
+    test holds, after its snapshot and before it locks the project row."""
+    if not isinstance(store, PostgresStore):
+        pytest.skip("SQLite: one writer claims at a time")
+    await _project(store, "capped", max_running_jobs=2)
+    for i in range(2):
+        await _model(store, f"capped-{i}", "capped")
+    first = await _job(store, "capped-0")
+    held = 7_028_001
+    probe = (
+        select(func.pg_advisory_lock(held), statements.capped_rows_as_seen().label("current"))
+        .select_from(projects)
+        .where(projects.c.id == "capped")
+    )
+
+    async def run_probe() -> bool:
+        async with store.engine.connect() as conn:
+            conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
+            current = (await conn.execute(probe)).one().current
+            await conn.execute(select(func.pg_advisory_unlock(held)))
+            return bool(current)
+
+    assert await run_probe()  # nothing started since its snapshot: current
+    async with store.engine.connect() as holder:
+        holder = await holder.execution_options(isolation_level="AUTOCOMMIT")
+        await holder.execute(select(func.pg_advisory_lock(held)))
+        b = asyncio.create_task(run_probe())
+        while not await holder.scalar(
+            select(func.count())
+            .select_from(text("pg_locks"))
+            .where(text("locktype = 'advisory' AND NOT granted"))
+        ):
+            await asyncio.sleep(0.01)
+        [a] = await store.claim(owner="a", lease_seconds=30, limit=1)  # commits
+        assert a.lease.job_id == first
+        await holder.execute(select(func.pg_advisory_unlock(held)))
+        assert await b is False
+    assert await run_probe()  # a snapshot taken after A's commit is current again
 
 
 async def test_trainer_seconds_are_clipped_to_the_utc_day(store: QueueStore) -> None:

@@ -32,6 +32,7 @@ from sqlalchemy import (
     insert,
     literal,
     literal_column,
+    not_,
     or_,
     select,
     true,
@@ -195,8 +196,8 @@ class Quota(enum.Enum):
     UNLIMITED = "unlimited"
     """Only projects without a running quota (the claim locks no project)."""
     LOCKED = "locked"
-    """Those, and the projects with one that this claim's transaction has locked
-    (`w_locked`), up to the room each has left."""
+    """Those, and the projects with one whose row this claim's statement locks and finds
+    as its snapshot read it (`capped_rows_as_seen`), up to the room each has left."""
     ALL = "all"
     """Every project, each up to its room (SQLite: one writer, nothing to lock)."""
 
@@ -342,8 +343,17 @@ def claim_query(
     their models' rows too; `quota`: which projects (`Quota`)."""
     limit = projects.c.max_running_jobs
     running = running_in(jobs.c.project_id)  # read only for a project with a quota
+    room: ColumnElement[Any]
     if quota is Quota.UNLIMITED:
-        room: ColumnElement[Any] = literal(None, Integer)
+        room = literal(None, Integer)
+    elif quota is Quota.LOCKED:
+        # Read for the page's rows only (NULL: no quota); no project row is joined, so
+        # the page is the same index walk in fair order as without quotas.
+        room = (
+            select(limit - running_in(projects.c.id))
+            .where(projects.c.id == jobs.c.project_id)
+            .scalar_subquery()
+        )
     else:
         room = case((limit.is_(None), None), else_=limit - running)
     query = (
@@ -377,14 +387,17 @@ def claim_query(
         # No project row joined or locked: the projects with a running quota, left out.
         capped = select(projects.c.id).where(limit.is_not(None))
         query = query.where(jobs.c.project_id.not_in(capped))
+    elif quota is Quota.LOCKED:
+        # The capped projects this claim may not take from, read once per statement.
+        held_back = select(projects.c.id).where(
+            limit.is_not(None),
+            not_(and_(capped_rows_as_seen(), limit > running_in(projects.c.id))),
+        )
+        query = query.where(jobs.c.project_id.not_in(held_back))
     else:
         # An outer join: a job whose project has no row (none is deleted) has no quota.
         query = query.outerjoin(projects, projects.c.id == jobs.c.project_id)
-        if quota is Quota.LOCKED:
-            locked = jobs.c.project_id == any_(bindparam("w_locked", type_=ARRAY(String)))
-            query = query.where(or_(limit.is_(None), and_(locked, limit > running)))
-        else:
-            query = query.where(or_(limit.is_(None), limit > running))
+        query = query.where(or_(limit.is_(None), limit > running))
     if fits is not None:
         query = query.where(*fits())
     if lock_models:
@@ -392,6 +405,27 @@ def claim_query(
         # that is being claimed right now, instead of colliding on the unique index.
         query = query.with_for_update(skip_locked=True, of=(jobs, models))
     return query
+
+
+def capped_rows_as_seen() -> ColumnElement[bool]:
+    """Postgres: the selected project's row, locked by this statement (SKIP LOCKED: a claim
+    in flight holds it, and this one takes that project's jobs next time) and unchanged
+    since the statement's snapshot.
+
+    A claim counts a capped project's running jobs in its snapshot, taken when the statement
+    starts. Another claim may commit jobs of that project after the snapshot and before
+    this statement reaches the row; the lock then finds the row's newest version (READ
+    COMMITTED follows the update), whose `claim_seq` that claim raised
+    (`claim_statement`): the count is stale, and the project is passed over. So two claims
+    never both take the last free slot, in one statement each and no transaction."""
+    capped = projects.alias("capped")
+    locked = (
+        select(capped.c.id, capped.c.claim_seq)
+        .where(capped.c.max_running_jobs.is_not(None))
+        .with_for_update(skip_locked=True)
+        .cte("locked")
+    )
+    return exists().where(locked.c.id == projects.c.id, locked.c.claim_seq == projects.c.claim_seq)
 
 
 @functools.cache
@@ -539,8 +573,8 @@ def claim_statement(fitted: bool = False, quota: Quota = Quota.UNLIMITED) -> Sel
     claimer holds are passed over), the oldest job of each model is taken, up to
     `wanted`, each with its own lease token (md5 of a per-statement secret and the id),
     and each gets its `job_claimed` event. `candidates` tells whether the page was full.
-    A project with a running quota gives at most its `room` (`quota`: see `Quota`; its
-    row is locked by the caller's transaction, `PostgresStore.claim`).
+    A project with a running quota gives at most its `room` (`quota`: see `Quota`); a
+    claim that takes its jobs raises its `claim_seq` (see `capped_rows_as_seen`).
     """
     fits = fits_on_postgres if fitted else None
     candidate = claim_query(lock_models=True, fits=fits, quota=quota).cte("candidate")
@@ -582,6 +616,9 @@ def claim_statement(fitted: bool = False, quota: Quota = Quota.UNLIMITED) -> Sel
             lease_expires_at=LeaseClock.DATABASE.until(),
             attempts=jobs.c.attempts + 1,
             started_at=now,
+            # Set here: SQLAlchemy leaves this UPDATE's `onupdate` default out once the
+            # statement has a second one (`seen`, with a running quota).
+            updated_at=now,
             progress_step=0,
             progress_total=None,
             start_step=case((picked.c.step_known, picked.c.current_step)),
@@ -602,6 +639,7 @@ def claim_statement(fitted: bool = False, quota: Quota = Quota.UNLIMITED) -> Sel
             jobs.c.max_attempts,
             jobs.c.policy_step,
             jobs.c.max_steps_off_policy,
+            jobs.c.project_id,
             picked.c.project,
             picked.c.base_model,
             picked.c.backend,
@@ -621,4 +659,15 @@ def claim_statement(fitted: bool = False, quota: Quota = Quota.UNLIMITED) -> Sel
         ),
     )
     candidates = select(func.count()).select_from(candidate).scalar_subquery()
-    return select(taken, candidates.label("candidates")).add_cte(events.cte("claimed"))
+    statement = select(taken, candidates.label("candidates")).add_cte(events.cte("claimed"))
+    if quota is Quota.UNLIMITED:
+        return statement
+    seen = (
+        update(projects)
+        .where(
+            projects.c.id.in_(select(taken.c.project_id)),
+            projects.c.max_running_jobs.is_not(None),
+        )
+        .values(claim_seq=projects.c.claim_seq + 1)
+    )
+    return statement.add_cte(seen.cte("seen"))

@@ -738,35 +738,15 @@ class PostgresStore(QueueStore):
         limit: int = 1,
         capabilities: Capabilities | None = None,
     ) -> list[Claim]:
-        """Each look is one statement (`statements.claim_statement`), so what one look
-        claimed stays claimed if a later look collides.
-
-        Where a project has a running quota, the looks run in one transaction that first
-        locks those projects' rows (SKIP LOCKED: another claimer holds them, and takes their
-        jobs meanwhile): the running jobs each look counts were committed before the lock
-        was taken, or by this transaction, so no two claimers both see the last free slot.
-        """
-        fitted = capabilities is not None
-        fit = _postgres_fit(capabilities)
-        if not await self._any_running_quota():
-            async with self.engine.connect() as conn:
-                conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
-                statement = statements.claim_statement(fitted, statements.Quota.UNLIMITED)
-                return await self._looks(conn, statement, owner, lease_seconds, limit, fit)
-        async with self.engine.begin() as conn:
-            locked = (
-                await conn.scalars(
-                    select(statements.projects.c.id)
-                    .where(statements.projects.c.max_running_jobs.is_not(None))
-                    .order_by(statements.projects.c.id)
-                    .with_for_update(skip_locked=True)
-                )
-            ).all()
-            statement = statements.claim_statement(fitted, statements.Quota.LOCKED)
-            fit["w_locked"] = list(locked)
-            return await self._looks(
-                conn, statement, owner, lease_seconds, limit, fit, savepoints=True
-            )
+        """Each look is one statement (`statements.claim_statement`), committed by itself,
+        so what one look claimed stays claimed if a later look collides. Where a project
+        has a running quota, the statement also locks those projects' rows and checks that
+        its count of their running jobs is current (`statements.capped_rows_as_seen`)."""
+        async with self.engine.connect() as conn:
+            conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
+            statement = await self._claim_statement(capabilities)
+            fit = _postgres_fit(capabilities)
+            return await self._looks(conn, statement, owner, lease_seconds, limit, fit)
 
     async def claim_in(
         self,
@@ -777,14 +757,17 @@ class PostgresStore(QueueStore):
         limit: int = 1,
         capabilities: Capabilities | None = None,
     ) -> list[Claim]:
-        """Each look in a savepoint, as `claim`'s with quotas. Where a project has a
-        running quota, none: its claim locks the projects first, in its own transaction
-        (the caller's `claim` takes the children then)."""
-        if await self._any_running_quota():
-            return []
+        """`claim`'s looks, each in a savepoint of the caller's transaction (a capped
+        project's row stays locked until it commits)."""
+        statement = await self._claim_statement(capabilities)
         fit = _postgres_fit(capabilities)
-        statement = statements.claim_statement(capabilities is not None, statements.Quota.UNLIMITED)
         return await self._looks(conn, statement, owner, lease_seconds, limit, fit, savepoints=True)
+
+    async def _claim_statement(self, capabilities: Capabilities | None) -> Any:
+        """Without a running quota anywhere, the statement that joins no project row."""
+        capped = await self._any_running_quota()
+        quota = statements.Quota.LOCKED if capped else statements.Quota.UNLIMITED
+        return statements.claim_statement(capabilities is not None, quota)
 
     async def _looks(
         self,
