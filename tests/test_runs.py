@@ -412,12 +412,14 @@ async def test_a_childs_end_moves_its_run_and_starts_the_next_child_in_one_write
     assert final["status"] == "succeeded" and final["progress"]["step"] == 3
     for step in (1, 2):
         ended, nxt = child_id(run_id, "training", step), child_id(run_id, "rollout", step + 1)
-        # The transaction that queued the next rollout ended the training job before, wrote
-        # the run's move, and claimed the rollout after.
+        # The transaction that queued the next rollout ended the training job before (on
+        # Postgres in a statement of data-modifying CTEs), wrote the run's move, and claimed
+        # the rollout after.
         [tx] = [tx for tx in written if any(_inserts(s, p, nxt) for s, p in tx)]
         [queued] = [i for i, (s, p) in enumerate(tx) if _inserts(s, p, nxt)]
         assert any(
-            s.startswith("UPDATE jobs") and ended in p and "succeeded" in p for s, p in tx[:queued]
+            "UPDATE jobs SET status" in s and ended in p and "succeeded" in p
+            for s, p in tx[:queued]
         ), tx
         assert any(s.startswith("UPDATE runs") for s, _ in tx[:queued]), tx
         assert any("lease_owner" in s for s, _ in tx[queued + 1 :]), tx  # and claimed

@@ -19,7 +19,7 @@ from sqlalchemy import Table, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 
 from app.db import write_connection
-from app.jobs.events import append_event
+from app.jobs.events import add_events, append_event
 from app.jobs.lifecycle import RunWrite
 from app.jobs.statements import jobs, models
 from app.jobs.store import cancel_job_now, enqueue
@@ -100,20 +100,31 @@ async def write_move(
             await enqueue(conn, child)  # a decision taken again finds it made
     for target in write.cancel:
         await cancel_job_now(conn, target)
-    for offset, metric in enumerate(write.metrics, start=1):
-        await conn.execute(
-            insert(run_metrics).values(
-                run_id=run_id,
-                seq=seq + offset,
-                kind=metric.kind,
-                step=metric.step,
-                data=metric.data,
-                created_at=write.job.get("updated_at"),
-            )
+    if write.metrics:
+        rows = [
+            {
+                "run_id": run_id,
+                "seq": seq + offset,
+                "kind": metric.kind,
+                "step": metric.step,
+                "data": metric.data,
+                "created_at": write.job.get("updated_at"),
+            }
+            for offset, metric in enumerate(write.metrics, start=1)
+        ]
+        await conn.execute(insert(run_metrics), rows)
+    # The run's job row and its events in one statement: the events take the numbers it
+    # returns.
+    row = update(jobs).where(jobs.c.id == run_id).values(_columns(write))
+    if not write.events:
+        await conn.execute(row)
+        return True
+    seq = await conn.scalar(
+        row.values(last_event_seq=jobs.c.last_event_seq + len(write.events)).returning(
+            jobs.c.last_event_seq
         )
-    for event in write.events:
-        await append_event(conn, run_id, event)
-    await conn.execute(update(jobs).where(jobs.c.id == run_id).values(_columns(write)))
+    )
+    await add_events(conn, run_id, int(seq), write.events)
     return True
 
 

@@ -113,7 +113,8 @@ class Joined(Protocol):
 
     async def lock(self, conn: AsyncConnection) -> None:
         """First in the transaction, before the job's row: the locks the work takes that
-        other writers take before a job's row (a run's row comes before its children's)."""
+        other writers take before a job's row (a run's row comes before its children's).
+        Not called where the transaction holds the whole database (`locks_rows`)."""
 
     async def then(self, conn: AsyncConnection) -> Callable[[], None]:
         """Last, only where the job's write matched. Returns what to do once the
@@ -292,6 +293,9 @@ class QueueStore(ABC):
     (`statements.LeaseClock`)."""
 
     clock: ClassVar[statements.LeaseClock] = statements.LeaseClock.WRITER
+    locks_rows: ClassVar[bool] = True
+    """Whether a write transaction locks rows one by one (`Joined.lock`); False where it
+    holds the whole database from its start (SQLite's `BEGIN IMMEDIATE`)."""
 
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
@@ -421,26 +425,35 @@ class QueueStore(ABC):
         then the joined work."""
         committed: Callable[[], None] | None = None
         async with write_connection(self.engine) as conn:
-            if joined is not None:
+            if joined is not None and self.locks_rows:
                 await joined.lock(conn)
-            seq = await self._write_job(
-                conn,
-                lease,
-                write.job,
-                write.events,
-                only_if_expired=only_if_expired,
-                unless_cancel_requested=write.unless_cancel_requested,
-            )
-            if seq is None:
+            if not await self._write_final(conn, lease, write, only_if_expired):
                 return False
             if write.child is not None:
                 await enqueue(conn, write.child)
-            if write.model:
-                await self._write_model(conn, lease.model_name, write.model)
             if joined is not None:
                 committed = await joined.then(conn)
         if committed is not None:
             committed()
+        return True
+
+    async def _write_final(
+        self, conn: AsyncConnection, lease: Lease, write: FinalWrite, only_if_expired: bool
+    ) -> bool:
+        """The job's guarded update, its events and its model's row; False where the job's
+        update matched nothing (the lease is lost)."""
+        seq = await self._write_job(
+            conn,
+            lease,
+            write.job,
+            write.events,
+            only_if_expired=only_if_expired,
+            unless_cancel_requested=write.unless_cancel_requested,
+        )
+        if seq is None:
+            return False
+        if write.model:
+            await self._write_model(conn, lease.model_name, write.model)
         return True
 
     async def _write_job(
@@ -572,6 +585,8 @@ def _lease_state(row: Row[Any]) -> LeaseState:
 
 class SqliteStore(QueueStore):
     """One process writes: a claim looks and takes inside one BEGIN IMMEDIATE transaction."""
+
+    locks_rows = False
 
     async def claim(
         self,
@@ -822,6 +837,15 @@ class PostgresStore(QueueStore):
             return await super()._final_once(lease, write, only_if_expired, joined)
         # One statement outside a transaction, so it commits by itself: one round trip
         # where BEGIN, three statements and COMMIT took five.
+        async with self.engine.connect() as conn:
+            conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
+            return await self._write_final(conn, lease, write, only_if_expired)
+
+    async def _write_final(
+        self, conn: AsyncConnection, lease: Lease, write: FinalWrite, only_if_expired: bool
+    ) -> bool:
+        # One statement (`statements.write_in_one`) where three took a round trip each: by
+        # itself, or first in a transaction that goes on (a child job, a run's move).
         keys, params = _write_params(lease, write.job, write.events)
         model_keys, model_params = _model_params(lease.model_name, write.model or ModelUpdate())
         hooks = [webhook_type(type_, lease.kind) for type_, _ in write.events]
@@ -833,9 +857,7 @@ class PostgresStore(QueueStore):
             "e_data": [json_dumps(data) for _, data in write.events],
             "e_hooks": hooks,
         }
-        async with self.engine.connect() as conn:
-            conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
-            return (await conn.execute(statement, params)).scalar_one_or_none() is not None
+        return (await conn.execute(statement, params)).scalar_one_or_none() is not None
 
 
 def store_for(engine: AsyncEngine) -> QueueStore:
