@@ -328,3 +328,35 @@ async def test_a_job_of_a_pool_nobody_serves_waits_and_says_why(serve) -> None:
             return bool(job["waiting_for"] == "no live worker in pool `default`")
 
         await until(says_why, what="the late job to say why it waits")
+
+
+async def test_requests_that_find_the_waits_stale_at_once_share_one_read(
+    store: QueueStore,
+) -> None:
+    """`waiting_for` of a GET comes from a per-process read of the live workers, made again
+    once a second (`app.api.workers.Waits`): the requests that find it stale together wait
+    for one read and take what it read, where each made its own."""
+    from sqlalchemy import event
+
+    from app.api.workers import Waits
+
+    await _model(store, "gpu-m", pool="gpu", backend="art-local")
+    reads: list[str] = []
+
+    def count(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        if "FROM workers" in statement:
+            reads.append(statement)
+
+    event.listen(store.engine.sync_engine, "before_cursor_execute", count)
+    try:
+        waits = Waits(store.engine, lease_seconds=30)
+        answers = await asyncio.gather(*(waits.reasons({"gpu-m"}) for _ in range(16)))
+        assert answers == [{"gpu-m": "no live worker in pool `gpu`"}] * 16
+        assert len(reads) == 1, reads
+        waits.read_at -= 60  # a second has passed: read again, once
+        await _register(store, "gpu-1", Capabilities("gpu", ("art-local",), {}))
+        answers = await asyncio.gather(*(waits.reasons({"gpu-m"}) for _ in range(16)))
+        assert answers == [{}] * 16
+        assert len(reads) == 2, reads
+    finally:
+        event.remove(store.engine.sync_engine, "before_cursor_execute", count)
