@@ -250,6 +250,9 @@ class _OneTripDriver(AsyncAdapt_aiosqlite_dbapi):
     as its `module`)."""
 
     def connect(self, *args: Any, **kwargs: Any) -> AsyncAdapt_aiosqlite_connection:
+        creator = kwargs.pop("async_creator_fn", None)  # `create_engine(async_creator=)`
+        if creator is not None:
+            return _OneTripConnection(self, await_(creator(*args, **kwargs)))
         connection = self.aiosqlite.connect(*args, **kwargs)
         connection._thread.daemon = True  # as SQLAlchemy's: a forgotten one ends with us
         return _OneTripConnection(self, await_(connection))

@@ -360,3 +360,40 @@ async def test_requests_that_find_the_waits_stale_at_once_share_one_read(
         assert len(reads) == 2, reads
     finally:
         event.remove(store.engine.sync_engine, "before_cursor_execute", count)
+
+
+async def test_requests_behind_a_slow_or_failed_read_of_the_waits_take_its_result(
+    store: QueueStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read that took longer than the time it is trusted for (here: a TTL of 0), or that
+    failed, is still the answer of the requests that waited behind it: they do not each
+    read again one after another."""
+    from app.api import workers as api_workers
+
+    await _model(store, "gpu-m", pool="gpu", backend="art-local")
+    monkeypatch.setattr(api_workers, "LIVE_WORKERS_TTL", 0.0)
+    real = pools.live_workers
+    reads: list[int] = []
+    failing = False
+
+    async def live_workers(*args: Any, **kwargs: Any) -> Any:
+        reads.append(1)
+        await asyncio.sleep(0.01)  # the others queue behind it meanwhile
+        if failing:
+            raise ConnectionError("the database went away")
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(pools, "live_workers", live_workers)
+    waits = api_workers.Waits(store.engine, lease_seconds=30)
+    answers = await asyncio.gather(*(waits.reasons({"gpu-m"}) for _ in range(16)))
+    assert answers == [{"gpu-m": "no live worker in pool `gpu`"}] * 16
+    assert len(reads) == 1
+    failing = True
+    answers = await asyncio.gather(
+        *(waits.reasons({"gpu-m"}) for _ in range(16)), return_exceptions=True
+    )
+    assert [type(a).__name__ for a in answers].count("ConnectionError") == 1
+    assert [a for a in answers if not isinstance(a, Exception)] == [
+        {"gpu-m": "no live worker in pool `gpu`"}
+    ] * 15
+    assert len(reads) == 2

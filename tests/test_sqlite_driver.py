@@ -143,3 +143,28 @@ async def test_statements_of_concurrent_transactions_do_not_mix(tmp_path: Path) 
         assert results == [[f"c{i}"] * 20 for i in range(4)]
     finally:
         await engine.dispose()
+
+
+async def test_an_engine_given_its_own_connection_maker_uses_it(
+    tmp_path: Path, trips: list[str]
+) -> None:
+    path = tmp_path / "made.db"
+    made: list[str] = []
+
+    def connect() -> Any:
+        made.append(str(path))
+        return aiosqlite.connect(path)
+
+    engine = await _with_table(create_engine("sqlite+aiosqlite://", async_creator=connect))
+    try:
+        async with write_connection(engine) as conn:
+            trips.clear()
+            await conn.execute(insert(things).values(name="a", n=1))
+            assert trips == ["_one_trip"]
+        reader = sqlite3.connect(path)
+        try:
+            assert made and reader.execute("SELECT name FROM things").fetchall() == [("a",)]
+        finally:
+            reader.close()
+    finally:
+        await engine.dispose()
