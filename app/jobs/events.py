@@ -63,25 +63,32 @@ async def add_events(
     """Insert `events` as seqs `last_seq - len(events) + 1 .. last_seq`, and the webhook
     deliveries of those that are webhook events (`app.jobs.outbox`), in the caller's
     transaction. On Postgres a trigger signals them to other processes when it commits."""
-    if not events:
+    await add_events_of(executor, [(job_id, last_seq, events)])
+
+
+async def add_events_of(
+    executor: Executor, batches: Sequence[tuple[str, int, Sequence[Event]]]
+) -> None:
+    """`add_events` for several jobs, each `(job_id, last_seq, events)`, in one insert."""
+    rows: list[dict[str, Any]] = []
+    reported: list[tuple[str, int, tuple[str | None, str | None]]] = []
+    for job_id, last_seq, events in batches:
+        first = last_seq - len(events) + 1
+        for i, (type_, data) in enumerate(events):
+            rows.append({"job_id": job_id, "seq": first + i, "type": type_.value, "data": data})
+            pair = outbox.reported(type_)
+            if pair is not None:
+                reported.append((job_id, first + i, pair))
+    if not rows:
         return
-    dialect = _dialect(executor)
-    first = last_seq - len(events) + 1
-    rows: list[dict[str, Any]] = [
-        {"job_id": job_id, "seq": first + i, "type": type_.value, "data": data}
-        for i, (type_, data) in enumerate(events)
-    ]
-    how = _INSERT.get(dialect, _INSERT["sqlite"])
+    how = _INSERT.get(_dialect(executor), _INSERT["sqlite"])
     if how.writer_stamps:
         now = utcnow()
         for row in rows:
             row["created_at"] = now
     await executor.execute(how.statement, rows)
-    for i, (type_, _) in enumerate(events):
-        pair = outbox.reported(type_)
-        if pair is not None:
-            params = outbox.fan_out_params(job_id, first + i, pair, utcnow())
-            await executor.execute(outbox.fan_out(), params)
+    for job_id, seq, pair in reported:
+        await executor.execute(outbox.fan_out(), outbox.fan_out_params(job_id, seq, pair, utcnow()))
 
 
 async def append_event(executor: Executor, job_id: str, event: Event) -> int:

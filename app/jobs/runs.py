@@ -12,17 +12,17 @@ resume through `apply_pause`, inside their own transaction, under the same versi
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, cast
 
 from sqlalchemy import Table, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 
 from app.db import write_connection
-from app.jobs.events import add_events, append_event
-from app.jobs.lifecycle import RunWrite
+from app.jobs.events import add_events_of, append_event
+from app.jobs.lifecycle import Event, RunWrite
 from app.jobs.statements import jobs, models
-from app.jobs.store import cancel_job_now, enqueue
+from app.jobs.store import cancel_job_now, enqueue_new, queued_event
 from app.models import RunMetricRow, RunRow
 
 runs = cast(Table, RunRow.__table__)
@@ -95,9 +95,11 @@ async def write_move(
     )
     if moved.rowcount != 1:
         return False
-    for child in write.children:
-        if await conn.scalar(select(jobs.c.id).where(jobs.c.id == child.id)) is None:
-            await enqueue(conn, child)  # a decision taken again finds it made
+    # A decision taken again finds its children made: each insert makes none of an id
+    # that exists. Their events go in with the run's, in one insert.
+    events: list[tuple[str, int, Sequence[Event]]] = [
+        queued_event(child) for child in write.children if await enqueue_new(conn, child)
+    ]
     for target in write.cancel:
         await cancel_job_now(conn, target)
     if write.metrics:
@@ -116,15 +118,16 @@ async def write_move(
     # The run's job row and its events in one statement: the events take the numbers it
     # returns.
     row = update(jobs).where(jobs.c.id == run_id).values(_columns(write))
-    if not write.events:
-        await conn.execute(row)
-        return True
-    seq = await conn.scalar(
-        row.values(last_event_seq=jobs.c.last_event_seq + len(write.events)).returning(
-            jobs.c.last_event_seq
+    if write.events:
+        seq = await conn.scalar(
+            row.values(last_event_seq=jobs.c.last_event_seq + len(write.events)).returning(
+                jobs.c.last_event_seq
+            )
         )
-    )
-    await add_events(conn, run_id, int(seq), write.events)
+        events.append((run_id, int(seq), write.events))
+    else:
+        await conn.execute(row)
+    await add_events_of(conn, events)
     return True
 
 

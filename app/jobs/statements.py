@@ -40,6 +40,8 @@ from sqlalchemy import (
 )
 from sqlalchemy import cast as sql_cast
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, distinct_on
+from sqlalchemy.dialects.postgresql import insert as postgresql_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.dml import Insert, ReturningUpdate, Update
 from sqlalchemy.sql.functions import GenericFunction, ReturnTypeFromArgs
@@ -180,6 +182,20 @@ def enqueue_job(columns: tuple[str, ...]) -> Insert:
     the database fills in: its project (its model's: a job a job or a run makes is its
     parent's project's, as its model is; migration 0014) and its place in the fair order
     (`fair_place`). Built once: building its subqueries per job cost about a millisecond."""
+    return insert(jobs).values(_enqueued(columns))
+
+
+@functools.cache
+def enqueue_job_once(dialect: str, columns: tuple[str, ...]) -> Insert:
+    """`enqueue_job` that inserts nothing where a job of that id exists, and returns the id
+    where it inserted: a run's child, which a decision taken again finds made, in the one
+    statement that would make it."""
+    upsert = postgresql_insert if dialect == "postgresql" else sqlite_insert
+    statement = upsert(jobs).values(_enqueued(columns))
+    return statement.on_conflict_do_nothing(index_elements=[jobs.c.id]).returning(jobs.c.id)
+
+
+def _enqueued(columns: tuple[str, ...]) -> dict[str, Any]:
     project = func.coalesce(
         select(models.c.project_id)
         .where(models.c.name == bindparam("model_name"))
@@ -187,7 +203,7 @@ def enqueue_job(columns: tuple[str, ...]) -> Insert:
         literal(DEFAULT_PROJECT_ID, String),
     )
     values: dict[str, Any] = {name: bindparam(name) for name in columns}
-    return insert(jobs).values(values | {"project_id": project, "fair_seq": fair_place(project)})
+    return values | {"project_id": project, "fair_seq": fair_place(project)}
 
 
 class Quota(enum.Enum):

@@ -210,6 +210,19 @@ async def enqueue(executor: Executor, job: NewJob) -> JobRow:
     )
 
 
+async def enqueue_new(conn: AsyncConnection, job: NewJob) -> bool:
+    """Insert a queued job unless a job of its id exists; True where it inserted. Its
+    `job_queued` event is the caller's to add (`queued_event`), with others in one insert."""
+    values = _row_values(job)
+    statement = statements.enqueue_job_once(conn.dialect.name, tuple(values))
+    return (await conn.execute(statement, values)).first() is not None
+
+
+def queued_event(job: NewJob) -> tuple[str, int, list[Event]]:
+    """The `job_queued` event of a job `enqueue_new` inserted, as `add_events_of` takes it."""
+    return (job.id, 1, [(EventType.job_queued, job.queued_event)])
+
+
 async def request_cancel(session: AsyncSession, job: JobRow) -> None:
     """Queued: cancelled now. Running: flagged; its worker interrupts it and applies the
     outcome. Caller holds the row (`FOR UPDATE`) in a write transaction and checked that

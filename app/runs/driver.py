@@ -549,18 +549,22 @@ _CHILD_COLUMNS = (
     jobs.c.cancel_requested,
 )
 
+# Three ids, each its own parameter: an IN of a list is rendered again at every execution.
+_CHILDREN = select(*_CHILD_COLUMNS).where(
+    jobs.c.id.in_([bindparam("next_one"), bindparam("next_two"), bindparam("waiting")])
+)
+
 
 async def _children(conn: AsyncConnection, run_id: str, state: RunState) -> dict[str, Child]:
     """The child the state waits on, and the rollouts of the next two steps (one may have
     been started early, off-policy)."""
-    wanted = {
-        child_id(run_id, "rollout", state.step + 1),
-        child_id(run_id, "rollout", state.step + 2),
+    next_one = child_id(run_id, "rollout", state.step + 1)
+    ids = {
+        "next_one": next_one,
+        "next_two": child_id(run_id, "rollout", state.step + 2),
+        "waiting": waiting_id(run_id, state) or next_one,
     }
-    waiting = waiting_id(run_id, state)
-    if waiting is not None:
-        wanted.add(waiting)
-    rows = (await conn.execute(select(*_CHILD_COLUMNS).where(jobs.c.id.in_(sorted(wanted))))).all()
+    rows = (await conn.execute(_CHILDREN, ids)).all()
     return {row.id: _child(row) for row in rows}
 
 
