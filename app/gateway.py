@@ -206,7 +206,8 @@ class Gateway:
                 raise _unavailable(name, str(error)) from exc
             base_url, model_name = inference.base_url, inference.model_name
         else:
-            base_url, model_name, api_key = row.inference_base_url, f"{name}@{step}", None
+            base_url, model_name = row.inference_base_url, f"{name}@{step}"
+            api_key = row.inference_api_key  # the worker that serves it wrote both
         if not base_url:
             raise _unavailable(name, "its endpoint is starting")
         return Route(base_url.rstrip("/"), model_name, api_key, step)

@@ -51,6 +51,9 @@ class ModelRow(Base):
     step_known: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     inference_base_url: Mapped[str | None] = mapped_column(String(1024))
     inference_model_name: Mapped[str | None] = mapped_column(String(256))
+    # The key that endpoint takes for this model (the cpu backend's are per model), for a
+    # gateway in another process (migration 0020). Never shown by any route.
+    inference_api_key: Mapped[str | None] = mapped_column(String(256))
     # The pool whose workers run its jobs (NULL: `default`), and the labels such a worker
     # must have (NULL: none) (migration 0011).
     pool: Mapped[str | None] = mapped_column(String(64))

@@ -370,7 +370,10 @@ class Worker:
             # Only where it is served: the step is the jobs' to write (a job may be
             # finishing on another worker right now).
             await self.store.set_inference(
-                row.name, base_url=inference.base_url, model_name=inference.model_name
+                row.name,
+                base_url=inference.base_url,
+                model_name=inference.model_name,
+                api_key=inference.api_key,
             )
 
     # -- recovery --------------------------------------------------------------------------

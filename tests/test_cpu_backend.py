@@ -22,6 +22,7 @@ from app.main import create_app
 from app.models import ModelRow
 from tests.backends import wait_final
 from tests.conftest import LiveServer
+from tests.processes import start_worker, stop, until
 
 pytestmark = pytest.mark.torch
 PROMPT = [{"role": "user", "content": "say yes"}]
@@ -55,8 +56,11 @@ async def register(client: httpx.AsyncClient, base: Path, name: str = "toy") -> 
     raise AssertionError("the model was never served")
 
 
-async def sample(model: dict, n: int, **params) -> list[dict]:
-    async with httpx.AsyncClient(base_url=model["inference_base_url"], timeout=30) as client:
+async def sample(model: dict, n: int, key: str | None = None, **params) -> list[dict]:
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    async with httpx.AsyncClient(
+        base_url=model["inference_base_url"], headers=headers, timeout=30
+    ) as client:
         response = await client.post(
             "/chat/completions",
             json={
@@ -260,9 +264,9 @@ async def test_the_api_keeps_its_access_log_once_a_cpu_model_is_served(
             model = await register(live.client, tiny_model)
             # The cpu backend's server answers too, at its own endpoint (which the API does
             # not hand out: the model JSON names the gateway).
-            inside = await _served_at(settings.database_url, model["name"])
+            inside, key = await _served_at(settings.database_url, model["name"])
             assert inside != model["inference_base_url"]
-            await sample({**model, "inference_base_url": inside}, n=1, max_tokens=1)
+            await sample({**model, "inference_base_url": inside}, n=1, key=key, max_tokens=1)
             await live.client.get("/healthz?after")
             await live.client.post("/v1/nothing?after")
         finally:
@@ -275,16 +279,54 @@ async def test_the_api_keeps_its_access_log_once_a_cpu_model_is_served(
     assert access.isEnabledFor(logging.INFO)
 
 
-async def _served_at(database_url: str, name: str) -> str:
-    """Where the backend itself serves the model, as the worker recorded it."""
+async def test_a_gateway_without_a_worker_forwards_with_the_key_the_worker_recorded(
+    make_settings, tiny_model
+) -> None:
+    """An API process without a worker forwards to the endpoint a `trainyard worker`
+    process serves the model at, with the model's key that worker recorded beside it; the
+    endpoint answers nobody without that key."""
+    settings = make_settings(model_roots=[tiny_model.parent])
+    env = {"TRAINYARD_MODEL_ROOTS": str(tiny_model.parent), "TRAINYARD_WORKER_BACKENDS": "cpu"}
+    worker = start_worker(settings, **env)
+    try:
+        async with LiveServer(create_app(settings)) as live:
+            body = {"name": "toy", "project": "tests", "base_model": str(tiny_model)}
+            assert (await live.client.post("/v1/models", json=body | {"backend": "cpu"})).is_success
+
+            async def served() -> dict:  # once the worker process serves it
+                model = (await live.client.get("/v1/models/toy")).json()
+                return model if model["inference_base_url"] else {}
+
+            model = await until(served, what="the worker process to serve the model")
+            answer = await live.client.post(
+                "/openai/v1/chat/completions",
+                json={"model": "toy", "messages": PROMPT, "max_tokens": 1, "logprobs": True},
+            )
+            inside, key = await _served_at(settings.database_url, model["name"])
+            async with httpx.AsyncClient(base_url=inside, timeout=30) as direct:
+                bare = await direct.get("/models")
+                wrong = await direct.get("/models", headers={"authorization": "Bearer tycpu_x"})
+                mine = await direct.get("/models", headers={"authorization": f"Bearer {key}"})
+    finally:
+        stop(worker)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["logprobs"]["content"]
+    assert (bare.status_code, wrong.status_code) == (401, 401)
+    assert bare.json()["error"]["code"] == "invalid_api_key"
+    assert [m["id"] for m in mine.json()["data"]] == ["toy@0"]
+
+
+async def _served_at(database_url: str, name: str) -> tuple[str, str]:
+    """Where the backend itself serves the model, and the key it takes for it, as the
+    worker recorded them."""
     engine = create_engine(database_url)
     try:
         async with engine.connect() as conn:
             row = (await conn.execute(select(ModelRow).where(ModelRow.name == name))).one()
     finally:
         await engine.dispose()
-    assert row.inference_base_url
-    return str(row.inference_base_url)
+    assert row.inference_base_url and row.inference_api_key
+    return str(row.inference_base_url), str(row.inference_api_key)
 
 
 # Run in a fresh interpreter, as a worker is: huggingface_hub answers "is X installed?" on

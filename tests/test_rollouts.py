@@ -53,6 +53,15 @@ async def wait_job(client: httpx.AsyncClient, url: str, timeout: float = PATIENC
         await asyncio.sleep(0.05)
 
 
+async def wait_served(client: httpx.AsyncClient, name: str, timeout: float = PATIENCE) -> None:
+    """Until a worker serves the model (its endpoint is recorded)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not (await client.get(f"/v1/models/{name}")).json()["inference_base_url"]:
+        assert loop.time() < deadline, f"{name} was never served"
+        await asyncio.sleep(0.05)
+
+
 async def cpu_model(client: httpx.AsyncClient, base: Path, name: str = "toy") -> None:
     response = await client.post(
         "/v1/models", json={"name": name, "base_model": str(base), "backend": "cpu"}
@@ -176,15 +185,19 @@ async def test_a_rollout_cancelled_while_it_grades_counts_the_tokens_it_sampled(
 
 
 async def test_agent_rollout_runs_the_agents_own_episode(serve, tiny_model) -> None:
+    """The agent is told its model's endpoint and key, and samples there; with that key
+    it sees no other model (another project's, say), and without it nothing at all."""
     agent = FastAPI()
     calls: list[dict[str, Any]] = []
+    probes: list[tuple[str, Any]] = []
 
     @agent.post("/episode")
     async def episode(body: dict[str, Any]) -> dict[str, Any]:
         calls.append(body)
         model = body["model"]
         messages = body["example"]["messages"]
-        async with httpx.AsyncClient(base_url=model["base_url"]) as client:
+        key = {"authorization": f"Bearer {model['api_key']}"}
+        async with httpx.AsyncClient(base_url=model["base_url"], headers=key) as client:
             completion = (
                 await client.post(
                     "/chat/completions",
@@ -196,6 +209,17 @@ async def test_agent_rollout_runs_the_agents_own_episode(serve, tiny_model) -> N
                     },
                 )
             ).json()
+            if body["generation"] == 0 and body["example"]["id"] == "yes":  # once
+                listed = (await client.get("/models")).json()
+                probes.append(("listed", [m["id"] for m in listed["data"]]))
+                other = {"model": "other@0", "messages": messages, "max_tokens": 1}
+                reply = await client.post("/chat/completions", json=other)
+                probes.append(("other", (reply.status_code, reply.json()["error"]["code"])))
+                del client.headers["authorization"]
+                bare = await client.post(
+                    "/chat/completions", json={**other, "model": model["name"]}
+                )
+                probes.append(("no key", bare.status_code))
         choice = completion["choices"][0]
         return {
             "trajectory": {"messages_and_choices": [*messages, choice]},
@@ -203,7 +227,10 @@ async def test_agent_rollout_runs_the_agents_own_episode(serve, tiny_model) -> N
         }
 
     async with LiveServer(agent) as agent_server, serve(worker_enabled=True) as live:
+        await cpu_model(live.client, tiny_model, name="other")
         await cpu_model(live.client, tiny_model)
+        for name in ("other", "toy"):  # each served by the backend's endpoint before the job
+            await wait_served(live.client, name)
         response = await live.client.post(
             "/v1/rollout-jobs",
             json={
@@ -219,6 +246,7 @@ async def test_agent_rollout_runs_the_agents_own_episode(serve, tiny_model) -> N
     assert job["status"] == "succeeded", job["error"]
     assert len(calls) == 4
     assert calls[0]["model"]["name"] == "toy@0"
+    assert dict(probes) == {"listed": ["toy@0"], "other": (404, "model_not_found"), "no key": 401}
     assert job["summary"]["mean_reward"] == 0.5
     assert training["status"] == "succeeded" and training["result"]["final_step"] == 1
 

@@ -124,6 +124,7 @@ class Inference:
     base_url: str | None
     model_name: str
     step: int
+    api_key: str | None = None  # the key that endpoint takes for this model
 
 
 def _number(value: Any) -> bool:
@@ -193,6 +194,7 @@ class TrainerAdapter:
             base_url=model.inference_base_url or None,
             model_name=self.backend._model_inference_name(model, step),
             step=step,
+            api_key=model.inference_api_key or None,
         )
 
     async def train(

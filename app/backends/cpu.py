@@ -209,13 +209,14 @@ class CpuBackend(CheckpointDirs):
     async def _prepare_backend_for_training(
         self, model: art.TrainableModel, config: Any = None
     ) -> tuple[str, str]:
-        """Serve the model (with every other model of this backend) on one local endpoint."""
+        """Serve the model (with every other model of this backend) on one local endpoint,
+        behind a key of its own (`cpu_server.ModelKeys`)."""
         if self._server is None:
             from app.backends.cpu_server import InferenceServer
 
             self._server = InferenceServer(self, host=self.host, port=self.port)
             await asyncio.to_thread(self._server.start)
-        return self._server.base_url, self._server.api_key
+        return self._server.base_url, self._server.keys.key(model.name)
 
     async def train(
         self,

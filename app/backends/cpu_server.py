@@ -12,16 +12,21 @@ through the model's chat template; tool calls the model writes in the Hermes/Qwe
 `<tool_call>` convention come back as OpenAI `tool_calls` (`app.backends.tool_calls`).
 
 It runs in its own thread with its own event loop, so sampling never stalls the service.
-It binds loopback by default and checks no key (the key it hands out is a placeholder).
+It binds loopback by default. Each model has its own key (`ModelKeys`), handed out with
+the model's endpoint (ART's `inference_api_key`): an `agent` rollout's service is told its
+model's, and sees no other model there (`/v1/models` lists that one; another's answers
+404, as one that does not exist); no key or an unknown one answers 401.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Literal
 
 import uvicorn
@@ -75,6 +80,10 @@ class ChatRequest(BaseModel):
     seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
 
 
+class _UnauthorizedError(Exception):
+    """A request without a key of this endpoint (answered 401)."""
+
+
 def _error(status: int, message: str, code: str) -> JSONResponse:
     # OpenAI's error envelope, which OpenAI clients parse.
     return JSONResponse(
@@ -83,8 +92,47 @@ def _error(status: int, message: str, code: str) -> JSONResponse:
     )
 
 
-def create_inference_app(backend: CpuBackend) -> FastAPI:
+class ModelKeys:
+    """A key per model, derived from a secret this server draws at its start: one
+    model's key names no other (HMAC-SHA256), and a restart changes them all (the worker
+    writes its endpoint and key again when it serves the model)."""
+
+    PREFIX = "tycpu_"
+
+    def __init__(self) -> None:
+        self._secret = secrets.token_bytes(32)
+
+    def key(self, model: str) -> str:
+        digest = hmac.new(self._secret, model.encode(), hashlib.sha256).hexdigest()
+        return self.PREFIX + digest
+
+    def model_of(self, authorization: str | None, names: Iterable[str]) -> str | None:
+        """The model among `names` whose key the `Authorization` header holds, if any."""
+        scheme, _, given = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not given.startswith(self.PREFIX):
+            return None
+        found = None
+        for name in names:  # each compared in constant time
+            if hmac.compare_digest(self.key(name).encode(), given.strip().encode()):
+                found = name
+        return found
+
+
+def create_inference_app(backend: CpuBackend, keys: ModelKeys) -> FastAPI:
     app = FastAPI(title="Trainyard cpu backend inference")
+
+    def holder(http: Request) -> str:
+        """The model whose key the request holds; 401 in OpenAI's envelope without one."""
+        model = keys.model_of(http.headers.get("authorization"), backend.served)
+        if model is None:
+            raise _UnauthorizedError
+        return model
+
+    @app.exception_handler(_UnauthorizedError)
+    async def _unauthorized(_request: Any, _exc: Exception) -> JSONResponse:
+        response = _error(401, "No key, or not a key of this endpoint.", "invalid_api_key")
+        response.headers["www-authenticate"] = "Bearer"
+        return response
 
     @app.exception_handler(HTTPException)
     async def _http_error(_request: Any, exc: HTTPException) -> JSONResponse:
@@ -99,7 +147,8 @@ def create_inference_app(backend: CpuBackend) -> FastAPI:
         return _error(400, "; ".join(problems), "invalid_request")
 
     @app.get("/v1/models")
-    def models() -> dict[str, Any]:
+    def models(http: Request) -> dict[str, Any]:
+        mine = holder(http)
         data = [
             {
                 "id": backend._model_inference_name(model),
@@ -107,12 +156,14 @@ def create_inference_app(backend: CpuBackend) -> FastAPI:
                 "created": 0,
                 "owned_by": "trainyard",
             }
-            for model, _ in backend.served.values()
+            for name, (model, _) in backend.served.items()
+            if name == mine
         ]
         return {"object": "list", "data": data}
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(request: ChatRequest, http: Request) -> dict[str, Any] | JSONResponse:
+        mine = holder(http)
         if request.stream:
             return _error(400, "The cpu backend does not stream: send `stream: false`.", "stream")
         try:
@@ -121,7 +172,7 @@ def create_inference_app(backend: CpuBackend) -> FastAPI:
         except ChatInvalid as exc:
             return _error(400, exc.message, exc.code)
         name, _, step = request.model.partition("@")
-        entry = backend.served.get(name)
+        entry = backend.served.get(name) if name == mine else None
         if entry is None or (step and not is_step(step)):
             return _error(404, f"The model `{request.model}` does not exist.", "model_not_found")
         try:
@@ -473,8 +524,9 @@ class InferenceServer:
     silent once a model is served)."""
 
     def __init__(self, backend: CpuBackend, *, host: str, port: int) -> None:
+        self.keys = ModelKeys()
         config = uvicorn.Config(
-            create_inference_app(backend),
+            create_inference_app(backend, self.keys),
             host=host,
             port=port,
             http=_Protocol,
@@ -484,7 +536,6 @@ class InferenceServer:
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="cpu-inference", daemon=True)
-        self.api_key = "trainyard-cpu"
         self.base_url = ""
 
     def start(self) -> None:

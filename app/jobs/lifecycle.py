@@ -207,6 +207,7 @@ class ModelUpdate(TypedDict, total=False):
     step_known: bool
     inference_base_url: str | None
     inference_model_name: str | None
+    inference_api_key: str | None
 
 
 class ErrorInfo(TypedDict):

@@ -494,10 +494,17 @@ class QueueStore(ABC):
         keys, params = _model_params(name, values)
         await conn.execute(statements.model_update(keys), params)
 
-    async def set_inference(self, name: str, *, base_url: str | None, model_name: str) -> None:
-        """Where a model is served (the step stays the jobs' to write)."""
+    async def set_inference(
+        self, name: str, *, base_url: str | None, model_name: str, api_key: str | None
+    ) -> None:
+        """Where a model is served, and the key that endpoint takes for it (the step stays
+        the jobs' to write)."""
         async with write_connection(self.engine) as conn:
-            values = ModelUpdate(inference_base_url=base_url, inference_model_name=model_name)
+            values = ModelUpdate(
+                inference_base_url=base_url,
+                inference_model_name=model_name,
+                inference_api_key=api_key,
+            )
             await self._write_model(conn, name, values)
 
     async def withdraw_inference(self, name: str, *, base_url: str) -> None:
@@ -507,7 +514,7 @@ class QueueStore(ABC):
             await conn.execute(
                 update(models)
                 .where(models.c.name == name, models.c.inference_base_url == base_url)
-                .values(inference_base_url=None)
+                .values(inference_base_url=None, inference_api_key=None)
             )
 
     async def expired(self, *, limit: int = 20) -> list[LeaseState]:

@@ -274,6 +274,7 @@ async def _served(adapter: TrainerAdapter, model: ModelSpec, step: int) -> Model
         inference = await adapter.inference(model, step=step)
         update["inference_base_url"] = inference.base_url
         update["inference_model_name"] = inference.model_name
+        update["inference_api_key"] = inference.api_key
     return update
 
 
