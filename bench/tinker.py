@@ -96,7 +96,7 @@ def _data() -> list[dict[str, Any]]:
 
 def _in_process(base: Path, data: list[dict[str, Any]]) -> dict[str, float]:
     from app.tinker import spec, trainer
-    from app.tinker.service import DEFAULT_ADAM
+    from app.tinker.spec import DEFAULT_ADAM
     from app.tinker.wire import Datum, Tensor
 
     policy = trainer.load_policy(str(base), spec.Lora(rank=RANK, seed=SEED), "cpu")

@@ -23,7 +23,9 @@ async def live(serve: Callable[..., LiveServer]) -> Any:
 
 async def test_the_sdks_key_header_opens_the_tinker_paths_only(live: LiveServer) -> None:
     client = live.client
-    assert (await client.post(f"{V1}/client/config", json={})).status_code == 401
+    refused = await client.post(f"{V1}/client/config", json={})
+    assert refused.status_code == 401
+    assert "`X-API-Key: tml-<key>`" in refused.json()["detail"]  # what the SDK sends
     config = await client.post(f"{V1}/client/config", json={"sdk_version": "0.38.0"}, headers=AUTH)
     assert config.status_code == 200 and config.json()["use_pyqwest_transport"] is False
     assert (await client.get("/v1/models", headers=AUTH)).status_code == 401

@@ -75,7 +75,12 @@ def test_a_request_of_every_option_reads_whole() -> None:
         ({"sampling_params": []}, "sampling_params: an object"),
         ({"sampling_params": {"max_tokens": 0}}, "sampling_params.max_tokens: an integer"),
         ({"sampling_params": {"temperature": -1}}, "sampling_params.temperature: a number"),
-        ({"sampling_params": {"top_p": 1.5}}, "sampling_params.top_p: a number from 0 to 1"),
+        ({"sampling_params": {"top_p": 1.5}}, "sampling_params.top_p: a number above 0, to 1"),
+        ({"sampling_params": {"top_p": 0}}, "sampling_params.top_p: a number above 0, to 1"),
+        (
+            {"sampling_params": {"max_tokens": 2047}},
+            "prompt: its 4 tokens and sampling_params.max_tokens (2047) pass the context of 2048",
+        ),
         ({"sampling_params": {"top_k": -2}}, "sampling_params.top_k: -1 (every token)"),
         ({"sampling_params": {"seed": "x"}}, "sampling_params.seed: an integer"),
         ({"sampling_params": {"stop": 3}}, "sampling_params.stop: a string, or a list"),

@@ -207,6 +207,13 @@ def test_refused_requests_raise_the_sdks_errors(server: Server) -> None:
         "unknown sampler": ("NotFoundError", "model_path: no checkpoint at"),
         "prompt outside vocabulary": ("BadRequestError", "outside the vocabulary"),
         "negative top_k": ("BadRequestError", "sampling_params.top_k: -1 (every token)"),
+        "non-finite advantages": (
+            "BadRequestError",
+            "data[0].loss_fn_inputs.advantages: a value is NaN or infinite",
+        ),
+        "past the context": ("BadRequestError", "2049 tokens; the context holds at most 2048"),
+        "beta1 of one": ("BadRequestError", "adam_params.beta1: must be a number from 0, below 1"),
+        "top_p of zero": ("BadRequestError", "sampling_params.top_p: a number above 0, to 1"),
     }
     for name, (error, message) in expected.items():
         assert outcomes[name].startswith(error) and message in outcomes[name], (name, outcomes)
@@ -400,6 +407,51 @@ def test_a_training_client_goes_on_through_a_killed_server(server: Server) -> No
     assert losses["after_restart"] == pytest.approx(losses["after"], rel=1e-5), losses
     assert losses["after"] < losses["before"], losses  # the step trained
     assert losses["said_again"] == losses["said"] and len(losses["said"]) == 6, losses
+
+
+_SAVE_TWO = """
+import json, tinker
+training = tinker.ServiceClient().create_lora_training_client(base_model="demo", rank=2).result()
+gone = training.save_weights_for_sampler("gone").result().path
+kept = training.save_weights_for_sampler("kept").result().path
+print(json.dumps([gone, kept]))
+"""
+
+_SAMPLE_FROM = """
+import json, sys, tinker
+from tinker import types
+outcomes = {}
+for path in sys.argv[1:]:
+    try:
+        sampler = tinker.ServiceClient().create_sampling_client(model_path=path)
+        prompt = types.ModelInput.from_ints([1, 2])
+        asked = types.SamplingParams(max_tokens=1)
+        sampler.sample(prompt, num_samples=1, sampling_params=asked).result()
+        outcomes[path] = "sampled"
+    except Exception as exc:
+        outcomes[path] = f"{type(exc).__name__}: {exc}"
+print(json.dumps(outcomes))
+"""
+
+
+def test_a_checkpoint_deleted_from_the_registry_is_sampled_no_more(server: Server) -> None:
+    """Sampler weights saved through the SDK, then deleted from the registry (the alias
+    their name made, then the step): a new sampling client of that path is NotFoundError,
+    though the server process still holds those weights; the other save still samples."""
+    saved = run_sdk(server, _SAVE_TWO)
+    assert saved.returncode == 0, saved.stdout + saved.stderr + server.tail()
+    gone, kept = json.loads(saved.stdout.strip().splitlines()[-1])
+    run = gone.removeprefix("tinker://").split("/")[0]
+    with httpx.Client(base_url=f"http://127.0.0.1:{server.port}", headers=server.auth) as client:
+        aliases = client.get(f"/v1/models/{run}/aliases").json()["data"]
+        step = next(a["step"] for a in aliases if a["alias"] == "gone")
+        assert client.delete(f"/v1/models/{run}/aliases/gone").status_code == 204
+        assert client.delete(f"/v1/models/{run}/checkpoints/{step}").status_code == 204
+    ran = run_sdk(server, _SAMPLE_FROM, gone, kept)
+    assert ran.returncode == 0, ran.stdout + ran.stderr + server.tail()
+    outcomes = json.loads(ran.stdout.strip().splitlines()[-1])
+    assert outcomes[kept] == "sampled", outcomes
+    assert outcomes[gone].startswith("NotFoundError") and "no checkpoint at" in outcomes[gone]
 
 
 def test_a_saved_state_loads_back_with_its_optimizer_even_after_a_restart(

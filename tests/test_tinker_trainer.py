@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch", reason=NEEDS_TORCH)
 from app.backends.tiny_model import make_tiny_model  # noqa: E402
 from app.tinker import sampling, spec, trainer  # noqa: E402
 from app.tinker.futures import Futures, Result  # noqa: E402
-from app.tinker.service import DEFAULT_ADAM  # noqa: E402
+from app.tinker.spec import DEFAULT_ADAM  # noqa: E402
 from app.tinker.wire import Datum, Tensor  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.any_database]
@@ -148,6 +148,21 @@ def test_importance_sampling_and_ppo(tiny: str) -> None:
         ("cross_entropy", datum([1, 2], [2, 500], weights=[1, 1]), "target_tokens: a token"),
         ("cross_entropy", datum([1, 2], [2, 3], weights=[1.0]), "weights has 1 values for 2"),
         ("ppo", datum([1], [2], logprobs=[0.0]), "loss_fn_inputs.advantages is required by ppo"),
+        (
+            "ppo",
+            datum([1], [2], logprobs=[0.0], advantages=[float("inf")]),
+            "data[0].loss_fn_inputs.advantages: a value is NaN or infinite",
+        ),
+        (
+            "cross_entropy",
+            datum([1, 2], [2, 3], weights=[1.0, float("nan")]),
+            "data[0].loss_fn_inputs.weights: a value is NaN or infinite",
+        ),
+        (
+            "cross_entropy",
+            datum([1] * 2049, [2] * 2049, weights=[1.0] * 2049),
+            "data[0].model_input has 2049 tokens; the context holds at most 2048",
+        ),
     ],
 )
 def test_what_a_loss_cannot_take_is_refused_naming_the_datum(
@@ -155,6 +170,26 @@ def test_what_a_loss_cannot_take_is_refused_naming_the_datum(
 ) -> None:
     with pytest.raises(spec.UserError, match=re.escape(message)):
         spec.check_data(100, loss_fn, [d])
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ({"learning_rate": 2}, "adam_params.learning_rate: must be a number from 0 to 1"),
+        ({"beta2": 1.0}, "adam_params.beta2: must be a number from 0, below 1"),
+        ({"eps": 0}, "adam_params.eps: must be a number above 0, at most 1"),
+        ({"weight_decay": float("nan")}, "adam_params.weight_decay: must be a number from 0 to 1"),
+        ({"grad_clip_norm": -1}, "adam_params.grad_clip_norm: must be a number from 0"),
+        ({"momentum": 0.9}, "adam_params.momentum: not a parameter of AdamW here"),
+        ([], "adam_params: an object"),
+    ],
+)
+def test_adams_parameters_out_of_range_are_refused_by_name(given: Any, message: str) -> None:
+    with pytest.raises(spec.UserError, match=re.escape(message)):
+        spec.check_adam(given)
+    assert spec.check_adam({"learning_rate": 0.01}) == {**DEFAULT_ADAM, "learning_rate": 0.01}
+    with pytest.raises(spec.UserError, match=re.escape("loss_fn_config.clip_low_threshold")):
+        spec.check_config({"clip_low_threshold": float("nan")})
 
 
 def test_a_sampler_keeps_the_weights_it_was_saved_with(tiny: str, tmp_path: Path) -> None:

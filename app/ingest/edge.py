@@ -26,6 +26,10 @@ from app.tenants.keys import ADMIN, SECRET_PREFIX, TINKER_KEY_PREFIX, Principal
 
 log = logging.getLogger(__name__)
 UNAUTHORIZED_DETAIL = "Missing or invalid API key: send `Authorization: Bearer <key>`"
+TINKER_UNAUTHORIZED_DETAIL = (
+    "Missing or invalid API key: send `X-API-Key: tml-<key>` (the Tinker SDK sends "
+    "TINKER_API_KEY so) or `Authorization: Bearer <key>`"
+)
 _CLOSE = {"Connection": "close"}
 
 BODY = "trainyard.body"
@@ -304,6 +308,8 @@ class ApiKeys:
     ) -> None:
         if status == 401:
             detail, code = UNAUTHORIZED_DETAIL, "invalid_api_key"
+            if path.startswith(TINKER_PATHS):
+                detail = TINKER_UNAUTHORIZED_DETAIL
             headers = {"WWW-Authenticate": "Bearer"}
         else:
             detail, code = f"This key lacks the `{lacking}` scope", "missing_scope"

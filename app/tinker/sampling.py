@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 
 from app.tinker import wire
-from app.tinker.spec import UserError
+from app.tinker.spec import CONTEXT, UserError
 
 MAX_SAMPLES = 128
-MAX_TOKENS = 2048  # the context the capabilities announce
+MAX_TOKENS = CONTEXT  # the context the capabilities announce
 MAX_TOPK = 100  # a top-k width (prompt or sampled positions) and `prompt_alt_tokens_k`
 
 
@@ -95,11 +95,14 @@ def _prompt(body: dict[str, Any]) -> list[int]:
     return tokens
 
 
-def _number(params: dict[str, Any], key: str, high: float) -> float:
+def _number(params: dict[str, Any], key: str, high: float, *, zero: bool = True) -> float:
+    """A number from 0 (above it where `zero` is False) to `high`; 1 where not given."""
     value = params.get(key, 1.0)
     value = 1.0 if value is None else value
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= high:
-        raise UserError(f"sampling_params.{key}: a number from 0 to {high:g}")
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if not number or not (value >= 0 if zero else value > 0) or not value <= high:
+        low = "from 0" if zero else "above 0,"
+        raise UserError(f"sampling_params.{key}: a number {low} to {high:g}")
     return float(value)
 
 
@@ -112,6 +115,11 @@ def read(body: dict[str, Any]) -> Asked:
     prompt = _prompt(body)
     n = _count(body.get("num_samples"), "num_samples", 1, MAX_SAMPLES, default=1)
     max_tokens = _count(params.get("max_tokens"), "sampling_params.max_tokens", 1, MAX_TOKENS, 16)
+    if len(prompt) + max_tokens > CONTEXT:
+        raise UserError(
+            f"prompt: its {len(prompt)} tokens and sampling_params.max_tokens ({max_tokens}) "
+            f"pass the context of {CONTEXT} tokens"
+        )
     top_k = params.get("top_k", -1)
     top_k = -1 if top_k is None else top_k
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < -1:
@@ -143,7 +151,7 @@ def read(body: dict[str, Any]) -> Asked:
         num_samples=n,
         max_tokens=max_tokens,
         temperature=_number(params, "temperature", 100),
-        top_p=_number(params, "top_p", 1),
+        top_p=_number(params, "top_p", 1, zero=False),  # 0 would keep no token
         top_k=max(top_k, 0),
         seed=seed,
         stop=[stop] if isinstance(stop, str) else list(stop or []),

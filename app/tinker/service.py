@@ -464,7 +464,7 @@ class TinkerService:
                 return await asyncio.to_thread(self._locked, run, step_of), None, None
             fields = json.loads(body)
             if kind == "optim_step":
-                params = {**DEFAULT_ADAM, **(fields.get("adam_params") or {})}
+                params = spec.check_adam(fields.get("adam_params"))
 
                 def optim(policy: Any) -> Result:
                     return Result(json={"metrics": _trainer().optim_step(policy, params)})
@@ -500,6 +500,7 @@ class TinkerService:
         run = await self.run(request.model_id, principal)
         try:  # before it is queued: the SDK raises a 400 as BadRequestError
             spec.check_data(run.vocab, request.loss_fn, request.data)
+            spec.check_config(request.loss_fn_config)
         except spec.UserError as exc:
             raise TinkerError(400, str(exc)) from exc
         kind = "forward" if request.forward_only else "forward_backward"
@@ -507,10 +508,10 @@ class TinkerService:
 
     async def optim_step(self, body: dict[str, Any], principal: Principal) -> str:
         run = await self.run(str(body.get("model_id", "")), principal)
-        params = {**DEFAULT_ADAM, **(body.get("adam_params") or {})}
-        lr = params["learning_rate"]
-        if not isinstance(lr, int | float) or not 0 <= lr <= 1:
-            raise TinkerError(400, "adam_params.learning_rate: must be a number from 0 to 1")
+        try:  # before it is queued, as a forward_backward's data
+            spec.check_adam(body.get("adam_params"))
+        except spec.UserError as exc:
+            raise TinkerError(400, str(exc)) from exc
         return await self.submit(run, body.get("seq_id"), "optim_step", _json(body))
 
     async def save(self, body: dict[str, Any], kind: str, principal: Principal) -> str:
@@ -687,6 +688,9 @@ class TinkerService:
         if path:
             found = self.by_path.get(str(path))
             if found is not None and visible(self.samplers[found].project_id, principal):
+                # Still in the registry (a checkpoint deleted since is not sampled again),
+                # and its weights are the ones this process already holds.
+                await self._checkpoint(path, "model_path", principal)
                 old = self.samplers[found]
                 source = {
                     "policy": old.policy,
@@ -865,16 +869,6 @@ def lora_of(row: ModelRow) -> spec.Lora:
 
 def vocab_size(policy: Any) -> int:
     return int(policy.model.get_input_embeddings().weight.shape[0])
-
-
-DEFAULT_ADAM = {
-    "learning_rate": 1e-4,
-    "beta1": 0.9,
-    "beta2": 0.95,
-    "eps": 1e-12,
-    "weight_decay": 0.0,
-    "grad_clip_norm": 0.0,
-}
 
 
 def _json(body: dict[str, Any]) -> bytes:

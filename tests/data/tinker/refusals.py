@@ -55,6 +55,23 @@ attempt(
     ).result(),
 )
 attempt(
+    "non-finite advantages",
+    lambda: training.forward_backward(
+        [datum([1, 2], target_tokens=[2, 3], logprobs=[0, 0], advantages=[float("nan"), 1])],
+        "importance_sampling",
+    ).result(),
+)
+attempt(
+    "past the context",
+    lambda: training.forward(
+        [datum([1] * 2049, target_tokens=[2] * 2049, weights=[1] * 2049)], "cross_entropy"
+    ).result(),
+)
+attempt(
+    "beta1 of one",
+    lambda: training.optim_step(types.AdamParams(learning_rate=1e-3, beta1=1.0)).result(),
+)
+attempt(
     "unknown sampler",
     lambda: (
         service.create_sampling_client(model_path="tinker://nothing/sampler_weights/x")
@@ -82,6 +99,14 @@ attempt(
         types.ModelInput.from_ints([1, 2]),
         num_samples=1,
         sampling_params=types.SamplingParams(max_tokens=1, top_k=-2),
+    ).result(),
+)
+attempt(
+    "top_p of zero",
+    lambda: base.sample(
+        types.ModelInput.from_ints([1, 2]),
+        num_samples=1,
+        sampling_params=types.SamplingParams(max_tokens=1, top_p=0.0),
     ).result(),
 )
 # top_k 1 at temperature 1 is the greedy choice, token after token.
