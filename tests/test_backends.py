@@ -131,6 +131,17 @@ async def test_art_local_config_keys_are_arts_internal_config(live) -> None:
     assert (await live.client.post("/v1/models", json=body)).status_code == 201
 
 
+@pytest.mark.parametrize("backend", ["dry-run", "cpu", "art-serverless"])
+async def test_a_config_key_a_backend_does_not_know_is_422_and_stores_nothing(
+    live, backend
+) -> None:
+    body = {"name": "typo", "base_model": "b", "backend": backend, "config": {"zzz": 1}}
+    response = await live.client.post("/v1/models", json=body)
+    assert response.status_code == 422, response.text
+    assert response.json()["errors"][0]["path"] == "config.zzz"
+    assert (await live.client.get("/v1/models/typo")).status_code == 404
+
+
 @pytest.mark.parametrize(
     ("backend", "message"),
     [("art-local", "CUDA GPU"), ("art-serverless", "WANDB_API_KEY")],

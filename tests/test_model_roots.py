@@ -109,11 +109,11 @@ async def test_a_cpu_model_under_a_root_or_the_data_dir_is_accepted(serve, disk,
     assert response.status_code == 201, response.text
 
 
-@pytest.mark.parametrize("where", ["{root}/adapter", "{data}/cpu/other/models/x/checkpoints/1"])
+@pytest.mark.parametrize("where", ["{root}/adapter", "{data}/my-adapter"])
 async def test_a_lora_adapter_is_no_base_model(serve, disk, where) -> None:
-    """Under a root or the data directory (where every model's checkpoints lie, other
-    projects' among them), a directory holding a LoRA adapter is refused as a base:
-    transformers with PEFT would load it as a model, its base with the adapter applied."""
+    """Under a root or the data directory, a directory holding a LoRA adapter is refused
+    as a base: transformers with PEFT would load it as a model, its base with the adapter
+    applied."""
     adapter = Path(fill(where, disk))
     adapter.mkdir(parents=True)
     (adapter / "adapter_config.json").write_text('{"base_model_name_or_path": "/m"}')
@@ -125,6 +125,28 @@ async def test_a_lora_adapter_is_no_base_model(serve, disk, where) -> None:
             [error] = response.json()["errors"]
             assert error["path"] == "base_model" and "LoRA adapter" in error["message"]
         assert (await live.client.get("/v1/models")).json()["data"] == []
+
+
+async def test_checkpoint_storage_is_no_base_model_and_its_refusal_says_nothing(
+    serve, disk
+) -> None:
+    """Checkpoint storage under the data directory holds every project's trained weights:
+    any path in it is refused by its shape, an adapter that is there as one that is not,
+    so another project's steps cannot be found out (or loaded) through `base_model`."""
+    step = disk["data"] / "cpu" / "other" / "models" / "x" / "checkpoints" / "0001"
+    step.mkdir(parents=True)
+    (step / "adapter_config.json").write_text('{"base_model_name_or_path": "/m"}')
+    os.symlink(step, disk["root"] / "link-step")
+    checkpoints = step.parent
+    paths = [step, checkpoints / "0002", checkpoints / "1", disk["root"] / "link-step"]
+    paths += [disk["data"] / "checkpoint-cache" / "cpu" / "m"]
+    async with serve(model_roots=[disk["root"]], data_dir=disk["data"]) as live:
+        answers = [await live.client.post("/v1/models", json=cpu_body(str(path))) for path in paths]
+        listed = (await live.client.get("/v1/models")).json()["data"]
+    assert {a.status_code for a in answers} == {422}
+    assert len({a.json()["errors"][0]["message"] for a in answers}) == 1
+    assert "inside checkpoint storage" in answers[0].json()["errors"][0]["message"]
+    assert listed == []
 
 
 async def test_other_backends_take_model_ids_as_before(serve) -> None:

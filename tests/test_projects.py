@@ -130,6 +130,12 @@ async def test_bad_input_is_refused_naming_each_field_and_nothing_is_stored(serv
             "/v1/projects/proj_nope/keys", json={"name": "k", "scopes": ["read"]}, headers=ROOT
         )
         assert missing.status_code == 404
+        assert missing.json()["errors"][0] == {
+            "location": "path",
+            "path": "project_id",
+            "message": "no project 'proj_nope'",
+            "type": "not_found",
+        }
         keys = await c.get(f"/v1/projects/{pid}/keys", headers=ROOT)
         assert keys.json()["data"] == []
         # Keys exist only as env keys: a request without a key is still refused.
@@ -156,6 +162,7 @@ async def test_a_revoked_key_is_refused_by_every_replica(serve, make_settings) -
             f"/v1/projects/{DEFAULT_PROJECT_ID}/keys/{made['id']}", headers=ROOT
         )
         assert wrong.status_code == 404
+        assert wrong.json()["errors"][0]["path"] == "key_id"
 
 
 async def test_an_expired_key_is_refused(serve, database_url: str) -> None:

@@ -314,6 +314,18 @@ async def test_pages_and_filters(serve) -> None:
             await live.client.get("/v1/training-jobs", params={"model": "a", "status": "queued"})
         ).json()
         bad = await live.client.get("/v1/training-jobs", params={"status": "done"})
+        # A cursor no page gave is refused, on every list that pages by one, rather than
+        # answered with an empty page a client would take for the end of the list.
+        lists = ["/v1/training-jobs", "/v1/rollout-jobs", "/v1/evaluation-jobs", "/v1/runs"]
+        lists += ["/v1/models", "/v1/datasets", "/v1/webhooks", "/v1/projects"]
+        refused = {
+            (path, cursor): await live.client.get(path, params={"after": cursor})
+            for path in lists
+            for cursor in ("%%%", "z" * 5000, "\xff", "-job")
+        }
+    assert all(
+        r.status_code == 422 and r.json()["errors"][0]["path"] == "after" for r in refused.values()
+    ), {k: r.status_code for k, r in refused.items()}
     newest_first = list(reversed(ids))
     assert [j["id"] for j in page1["data"] + page2["data"] + page3["data"]] == newest_first
     assert page1["has_more"] and page2["has_more"] and not page3["has_more"]

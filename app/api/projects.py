@@ -11,7 +11,7 @@ from fastapi import APIRouter, Query, Request, Response
 from app.api.body import Reading, json_body, read_json
 from app.api.deps import Caller, Cursor, JobId, Session, require_admin
 from app.db import begin_write
-from app.errors import InvalidInputError, NotFoundError, not_found
+from app.errors import InvalidInputError, not_found
 from app.jobs import quotas
 from app.schemas.common import NO_NUL, FieldError, Page, problem_responses
 from app.schemas.tenants import (
@@ -64,6 +64,18 @@ def parse_time(name: str, value: str | None) -> datetime | None:
         ) from None
 
 
+def check_window(
+    start: datetime | None, end: datetime | None, names: tuple[str, str] = ("from", "to")
+) -> None:
+    """422 for a window that holds no time: its start at or after its end."""
+    if start is not None and end is not None and start >= end:
+        why = f"must be before `{names[1]}`"
+        raise InvalidInputError(
+            f"{names[0]}: {why}",
+            errors=[FieldError(location="query", path=names[0], message=why, type="value_error")],
+        )
+
+
 def _tenants(request: Request) -> Tenants | None:
     tenants: Tenants | None = getattr(request.app.state, "tenants", None)
     return tenants
@@ -109,7 +121,7 @@ async def list_all(
 )
 async def get(project_id: ProjectId, session: Session, caller: Caller) -> Project:
     if not caller.admin and caller.project_id != project_id:
-        raise NotFoundError(f"No project {project_id!r}")  # another's: no existence leak
+        raise not_found("project", project_id, param="project_id")  # another's: no leak
     return await service.get_project(session, project_id)
 
 
@@ -228,6 +240,7 @@ async def list_audit(
 ) -> Page[AuditEvent]:
     require_admin(caller)
     since_at, until_at = parse_time("since", since), parse_time("until", until)
+    check_window(since_at, until_at, ("since", "until"))
     if (tenants := _tenants(request)) is not None:
         await tenants.audit.flush()  # every answer sent before this one is in the page
     items, has_more = await service.list_audit(

@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query, Request
 
 from app.api.deps import Caller, Session
-from app.api.projects import TIME, parse_time
+from app.api.projects import TIME, check_window, parse_time
 from app.db import utcnow
 from app.errors import not_found
 from app.schemas.common import NO_NUL, problem_responses
@@ -53,6 +53,7 @@ async def get(
         raise not_found("project", project_id, param="project_id", location="query")
     end = parse_time("to", until) or utcnow()
     start = parse_time("from", since) or end - timedelta(days=DEFAULT_DAYS)
+    check_window(start, end)
     scope = project_id if caller.admin else caller.owner
     return await ledger.usage(
         session,

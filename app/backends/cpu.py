@@ -102,6 +102,16 @@ def base_model_refusal(base: str, roots: Sequence[Path]) -> str | None:
         # ... then where its symlinks lead, which must stay inside too.
         if not any(path.resolve().is_relative_to(r) for r in resolved_roots):
             return refusal
+        # Checkpoint storage (every backend's, ART's and the object store's cache keep a
+        # model's steps as `…/models/<name>/checkpoints/<step>`) holds every project's
+        # trained weights: refused by its shape, before anything in it is looked up, so
+        # the answer says nothing of what is there.
+        if _in_checkpoint_storage(path) or _in_checkpoint_storage(path.resolve()):
+            return (
+                "is inside checkpoint storage (…/models/<name>/checkpoints/…), not a base "
+                "model: register its base model, and the adapter's weights as that model's "
+                "checkpoint"
+            )
         # A LoRA adapter (what checkpoints, Tinker's saves and adapter exports hold) is no
         # base model, though transformers with PEFT loads one as a model (its base with the
         # adapter applied): registered as a base, one model's trained weights, another
@@ -118,6 +128,13 @@ def base_model_refusal(base: str, roots: Sequence[Path]) -> str | None:
 
 
 ADAPTER_CONFIG = "adapter_config.json"
+
+
+def _in_checkpoint_storage(path: Path) -> bool:
+    parts = path.parts
+    return "checkpoint-cache" in parts or any(
+        parts[i] == "models" and parts[i + 2] == "checkpoints" for i in range(len(parts) - 2)
+    )
 
 
 class CpuBackend(CheckpointDirs):

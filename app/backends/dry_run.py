@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from app.backends.base import TOTAL_KEY, report_gradient_step
 from app.backends.checkpoints import CheckpointDirs
@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 
 class DryRunConfig(BaseModel):
     """Model config of the dry-run backend."""
+
+    model_config = ConfigDict(extra="forbid")  # a misspelt key is a 422, not ignored
 
     seconds_per_step: float = Field(
         default=0.0, ge=0, le=3600, description="Simulated time of one gradient step."

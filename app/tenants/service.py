@@ -11,7 +11,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.db import begin_write, utcnow
-from app.errors import ConflictError, InvalidInputError, NotFoundError
+from app.errors import ConflictError, InvalidInputError, not_found
 from app.models import ApiKeyRow, AuditEventRow, ProjectRow
 from app.schemas.common import FieldError
 from app.schemas.tenants import ApiKey, ApiKeyCreate, ApiKeyCreated, AuditEvent, Project
@@ -65,7 +65,7 @@ async def list_projects(
 async def get_project(session: AsyncSession, project_id: str) -> Project:
     row = await session.get(ProjectRow, project_id)
     if row is None:
-        raise NotFoundError(f"No project {project_id!r}")
+        raise not_found("project", project_id, param="project_id")
     return _project(row)
 
 
@@ -114,7 +114,7 @@ async def revoke_key(session: AsyncSession, project_id: str, key_id: str) -> Non
     await begin_write(session)
     row = await session.get(ApiKeyRow, key_id)
     if row is None or row.project_id != project_id:
-        raise NotFoundError(f"No key {key_id!r} in project {project_id!r}")
+        raise not_found("key", key_id, param="key_id", detail=f"no key {key_id!r} in this project")
     if row.revoked_at is None:
         await session.execute(
             update(ApiKeyRow).where(ApiKeyRow.id == key_id).values(revoked_at=utcnow())
