@@ -155,6 +155,19 @@ async def test_a_project_keys_tinker_run_is_its_projects_alone(
         answer = await c.get(f"{V1}/{route}", headers=other)
         assert answer.status_code == 404 and answer.json()["detail"].startswith("training_run_id:")
     assert (await c.get(f"{V1}/training_runs", headers=other)).json()["training_runs"] == []
+    assert (await c.get(f"{V1}/checkpoints", headers=other)).json()["checkpoints"] == []
+    info = await post(other, "weights_info", {"tinker_path": path})
+    assert info.status_code == 404 and info.json()["detail"].startswith("tinker_path:")
+    checkpoint = f"{V1}/training_runs/{run}/checkpoints/sampler_weights/w"
+    gone = await c.delete(checkpoint, headers=other)
+    assert gone.status_code == 404 and gone.json()["detail"].startswith("checkpoint_id:")
+    # Its own `read` key lists and describes its checkpoints, and may not delete them.
+    mine = (await c.get(f"{V1}/checkpoints", headers=a.tinker("read"))).json()["checkpoints"]
+    assert [x["tinker_path"] for x in mine] == [path]
+    info = await post(a.tinker("read"), "weights_info", {"tinker_path": path})
+    assert info.json()["lora_rank"] == 2 and info.json()["is_lora"] is True
+    refused = await c.delete(checkpoint, headers=a.tinker("read"))
+    assert refused.status_code == 403 and refused.json()["missing_scope"] == "write"
 
     # Its own project's keys: `read` lists and reads the run, `sample` samples its weights.
     listed = (await c.get(f"{V1}/training_runs", headers=a.tinker("read"))).json()

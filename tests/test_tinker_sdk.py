@@ -454,6 +454,54 @@ def test_a_checkpoint_deleted_from_the_registry_is_sampled_no_more(server: Serve
     assert outcomes[gone].startswith("NotFoundError") and "no checkpoint at" in outcomes[gone]
 
 
+_REST = """
+import json, tinker
+service = tinker.ServiceClient()
+rest = service.create_rest_client()
+training = service.create_lora_training_client(base_model="demo", rank=2).result()
+a, b, c = (training.save_weights_for_sampler(n).result().path for n in ("a", "b", "c"))
+out = {"paths": [a, b, c]}
+listed = rest.list_user_checkpoints(limit=1000).result()
+out["listed"] = [x.tinker_path for x in listed.checkpoints]
+out["total"] = listed.cursor.total_count
+info = rest.get_weights_info_by_tinker_path(a).result()
+out["info"] = [info.is_lora, info.lora_rank, info.train_mlp, info.base_model]
+rest.delete_checkpoint_from_tinker_path(a).result()
+out["after"] = [x.tinker_path for x in rest.list_user_checkpoints(limit=1000).result().checkpoints]
+for name, call in (
+    ("sample deleted", lambda: service.create_sampling_client(model_path=a).sample(
+        tinker.types.ModelInput.from_ints([1]), 1, tinker.types.SamplingParams(max_tokens=1)
+    ).result()),
+    ("delete latest", lambda: rest.delete_checkpoint_from_tinker_path(c).result()),
+    ("delete again", lambda: rest.delete_checkpoint_from_tinker_path(a).result()),
+):
+    try:
+        call()
+        out[name] = "ok"
+    except Exception as exc:
+        out[name] = f"{type(exc).__name__}: {exc}"
+print(json.dumps(out))
+"""
+
+
+def test_the_rest_clients_checkpoint_calls_list_describe_and_delete(server: Server) -> None:
+    """list_user_checkpoints (newest first), get_weights_info_by_tinker_path, and
+    delete_checkpoint_from_tinker_path, which deletes the registry's step and the alias its
+    name made; the run's latest step is the registry's to keep (a BadRequestError that says
+    so: the SDK retries a 409 for minutes)."""
+    ran = run_sdk(server, _REST)
+    assert ran.returncode == 0, ran.stdout + ran.stderr + server.tail()
+    out = json.loads(ran.stdout.strip().splitlines()[-1])
+    a, b, c = out["paths"]
+    assert out["listed"][:3] == [c, b, a] and out["total"] >= 3, out
+    assert out["info"][:3] == [True, 2, True] and out["info"][3].endswith("tiny-model"), out
+    assert a not in out["after"] and b in out["after"] and c in out["after"], out
+    assert out["sample deleted"].startswith("NotFoundError"), out
+    assert out["delete latest"].startswith("BadRequestError"), out
+    assert "cannot be deleted" in out["delete latest"] and "latest" in out["delete latest"], out
+    assert out["delete again"].startswith("NotFoundError"), out
+
+
 def test_a_saved_state_loads_back_with_its_optimizer_even_after_a_restart(
     server: Server,
 ) -> None:

@@ -259,6 +259,31 @@ async def list_checkpoints(request: Request, training_run_id: str) -> Any:
         return refused(request, exc)
 
 
+@router.delete("/training_runs/{training_run_id}/checkpoints/{checkpoint_id:path}")
+async def delete_checkpoint(request: Request, training_run_id: str, checkpoint_id: str) -> Any:
+    try:
+        await service(request).delete_checkpoint(training_run_id, checkpoint_id, who(request))
+    except TinkerError as exc:
+        return refused(request, exc)
+    return Response(status_code=204)
+
+
+@router.get("/checkpoints", response_model=None)
+async def list_user_checkpoints(request: Request, limit: int = 100, offset: int = 0) -> Any:
+    try:
+        return await service(request).user_checkpoints(limit, offset, who(request))
+    except TinkerError as exc:
+        return refused(request, exc)
+
+
+@router.post("/weights_info", response_model=None)
+async def weights_info(request: Request) -> Any:
+    try:
+        return await service(request).weights_info(await json_body(request), who(request))
+    except TinkerError as exc:
+        return refused(request, exc)
+
+
 @router.post("/telemetry")
 async def telemetry() -> dict[str, str]:
     return {"status": "accepted"}

@@ -40,7 +40,8 @@ TINKER_PATHS = "/tinker/"
 TINKER_API = "/tinker/api/v1/"
 # What a Tinker request needs of a key that is not admin, by its route's first segment:
 # training `write`; sampling `sample` (or `write`: a key that trains samples its runs); a
-# run's info and the RestClient's views `read` (or `write`). The handshake, sessions,
+# run's info and the RestClient's views `read` (or `write`), its deletions `write`. The
+# handshake, sessions,
 # capabilities, futures and telemetry: any key (what they reach is the key's project's).
 TINKER_SCOPES: dict[str, tuple[str, frozenset[str]]] = {
     **dict.fromkeys(
@@ -58,7 +59,10 @@ TINKER_SCOPES: dict[str, tuple[str, frozenset[str]]] = {
         ("create_sampling_session", "asample", "samplers"),
         ("sample", frozenset({"sample", "write"})),
     ),
-    **dict.fromkeys(("get_info", "training_runs"), ("read", frozenset({"read", "write"}))),
+    **dict.fromkeys(
+        ("get_info", "training_runs", "checkpoints", "weights_info"),
+        ("read", frozenset({"read", "write"})),
+    ),
 }
 
 
@@ -150,6 +154,8 @@ def missing_scope(principal: Principal, method: str, path: str) -> str | None:
     if path.startswith(GATEWAY_PATHS):
         return None if "sample" in scopes else "sample"
     if path.startswith(TINKER_PATHS):
+        if method == "DELETE":  # the RestClient's delete_checkpoint
+            return None if "write" in scopes else "write"
         needed = TINKER_SCOPES.get(path.removeprefix(TINKER_API).split("/", 1)[0])
         return None if needed is None or scopes & needed[1] else needed[0]
     if path.startswith("/v1/workers") and method in CHANGES:

@@ -90,15 +90,40 @@ async def training_runs(
 ) -> dict[str, Any]:
     """A page of runs, by name, as the SDK's `TrainingRunsResponse`: those of project `sees`
     (None: every project's)."""
-    query = select(ModelRow).where(ModelRow.project == PROJECT)
-    if sees is not None:
-        query = query.where(ModelRow.project_id == sees)
+    query = _runs(sees, ModelRow)
     total = await session.scalar(select(func.count()).select_from(query.subquery()))
     rows = (await session.scalars(query.order_by(ModelRow.name).limit(limit).offset(offset))).all()
     return {
         "training_runs": [await training_run(session, dirs, saved, row) for row in rows],
         "cursor": {"offset": offset, "limit": limit, "total_count": int(total or 0)},
     }
+
+
+async def user_checkpoints(
+    session: AsyncSession,
+    dirs: Any,
+    saved: dict[str, tuple[str, int]],
+    page: tuple[int, int],
+    sees: str | None,
+) -> dict[str, Any]:
+    """A page (`limit`, `offset`) of every checkpoint of project `sees`'s runs (None: every
+    project's), newest first, as the SDK's `CheckpointsListResponse`."""
+    limit, offset = page
+    names = (await session.scalars(_runs(sees, ModelRow.name).order_by(ModelRow.name))).all()
+    found = [  # each names its run in its `tinker_path`
+        checkpoint for name in names for checkpoint in await checkpoints(session, dirs, saved, name)
+    ]
+    found.sort(key=lambda c: (c["time"], c["tinker_path"]), reverse=True)
+    return {
+        "checkpoints": found[offset : offset + limit],
+        "cursor": {"offset": offset, "limit": limit, "total_count": len(found)},
+    }
+
+
+def _runs(sees: str | None, *columns: Any) -> Any:
+    """The Tinker runs of project `sees` (None: every project's)."""
+    query = select(*columns).where(ModelRow.project == PROJECT)
+    return query if sees is None else query.where(ModelRow.project_id == sees)
 
 
 class _Named:

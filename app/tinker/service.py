@@ -29,11 +29,12 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from sqlalchemy import and_, or_, select, update
+from sqlalchemy import and_, delete, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app.backends.cpu import base_model_refusal
+from app.checkpoints.service import delete_checkpoint as delete_registry_step
 from app.checkpoints.service import set_alias
 from app.db import begin_write
 from app.errors import ConflictError
@@ -587,6 +588,13 @@ class TinkerService:
         """The registry model and the checkpoint directory a `tinker://` path names: a save
         of this process or of the journal, or one whose name is an alias (see `save`). A
         run of a project the key does not see has none."""
+        row, _, directory = await self._checkpoint_step(path, field, principal)
+        return row, directory
+
+    async def _checkpoint_step(
+        self, path: Any, field: str, principal: Principal
+    ) -> tuple[ModelRow, int, Path]:
+        """`_checkpoint`, with the step the path names."""
         if not isinstance(path, str) or not path.startswith(SCHEME):
             raise TinkerError(400, f"{field}: a tinker:// path")
         parts = path.removeprefix(SCHEME).split("/")
@@ -611,7 +619,47 @@ class TinkerService:
             )
         if row is None or found is None or directory is None:
             raise TinkerError(404, f"{field}: no checkpoint at {path!r}")
-        return row, directory
+        return row, found[1], directory
+
+    async def weights_info(self, body: dict[str, Any], principal: Principal) -> dict[str, Any]:
+        """What loading a checkpoint needs (the SDK's `WeightsInfoResponse`)."""
+        row, _, _ = await self._checkpoint_step(body.get("tinker_path"), "tinker_path", principal)
+        lora = lora_of(row)
+        return {
+            "base_model": row.base_model,
+            "is_lora": True,
+            "lora_rank": lora.rank,
+            "train_unembed": lora.train_unembed,
+            "train_mlp": lora.train_mlp,
+            "train_attn": lora.train_attn,
+        }
+
+    async def delete_checkpoint(
+        self, training_run_id: str, checkpoint_id: str, principal: Principal
+    ) -> None:
+        """The registry's step the checkpoint is, deleted with the alias its name made: a
+        step the registry protects (the run's latest; another alias points at it) is a 400
+        that says why (the SDK retries a 409 for minutes), and nothing is deleted."""
+        name = listing.run_name(training_run_id)
+        path = f"{SCHEME}{name}/{checkpoint_id}"
+        row, step, _ = await self._checkpoint_step(path, "checkpoint_id", principal)
+        kind, _, label = checkpoint_id.partition("/")
+        alias = label if kind == SAMPLER else f"state-{label}"
+        async with self.sessions() as session:
+            await session.execute(
+                delete(ModelAliasRow).where(
+                    ModelAliasRow.model_name == row.name,
+                    ModelAliasRow.alias == alias,
+                    ModelAliasRow.step == step,
+                )
+            )
+            try:
+                await delete_registry_step(session, self.backends, name=row.name, step=step)
+            except ConflictError as exc:  # protected: the SDK would retry a 409 for minutes
+                raise TinkerError(400, f"checkpoint_id: {exc.detail}") from exc
+            await session.commit()
+        for saved in [p for p, where in self.saved.items() if where == (row.name, step)]:
+            del self.saved[saved]
 
     async def load(self, body: dict[str, Any], principal: Principal) -> tuple[str, str]:
         """`load_weights`: into a run (`model_id`: load_state), or into a new run of the
@@ -634,6 +682,18 @@ class TinkerService:
         return await self.submit(run, seq_id, "load_weights", _json(fields)), run.model_id
 
     # -- the RestClient's views ----------------------------------------------------------
+
+    async def user_checkpoints(
+        self, limit: int, offset: int, principal: Principal
+    ) -> dict[str, Any]:
+        """Every checkpoint of the runs the key sees, newest first (`list_user_checkpoints`)."""
+        if not 1 <= limit <= 1000 or offset < 0:
+            raise TinkerError(400, "limit: from 1 to 1000, and offset: 0 or more")
+        async with self.sessions() as session:
+            page = (limit, offset)
+            return await listing.user_checkpoints(
+                session, self._dirs(), self.saved, page, principal.sees
+            )
 
     async def training_runs(self, limit: int, offset: int, principal: Principal) -> dict[str, Any]:
         if not 1 <= limit <= 1000 or offset < 0:
