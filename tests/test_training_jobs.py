@@ -323,10 +323,12 @@ async def test_pages_and_filters(serve) -> None:
             for path in lists
             for cursor in ("%%%", "z" * 5000, "\xff", "-job")
         }
+        first = await live.client.get("/v1/training-jobs", params={"after": "", "limit": 2})
     assert all(
         r.status_code == 422 and r.json()["errors"][0]["path"] == "after" for r in refused.values()
     ), {k: r.status_code for k, r in refused.items()}
     newest_first = list(reversed(ids))
+    assert [j["id"] for j in first.json()["data"]] == newest_first[:2]  # empty: from the start
     assert [j["id"] for j in page1["data"] + page2["data"] + page3["data"]] == newest_first
     assert page1["has_more"] and page2["has_more"] and not page3["has_more"]
     assert page3["next_cursor"] is None

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from typing import Annotated
 
 from fastapi import Depends, Header, Path, Query, Request
+from pydantic import AfterValidator
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -57,11 +58,14 @@ Reads = Annotated[Reader, Depends(get_reader)]
 # Identifiers and cursors are looked up in the database: no NUL characters (Postgres text
 # cannot hold one, so no stored value has one).
 JobId = Annotated[str, Path(pattern=NO_NUL)]
-CURSOR = r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,255}$"
+CURSOR = r"^([A-Za-z0-9][A-Za-z0-9._:@-]{0,255})?$"
 """Every `next_cursor` a page gives (an id, or a model's name) matches: one that does not
-was not given by a page, and is refused (422) rather than answered with an empty page."""
+was not given by a page, and is refused (422) rather than answered with an empty page.
+Empty (`?after=`, as a form or a command line's empty option sends it): the first page."""
 Cursor = Annotated[
-    str | None, Query(pattern=CURSOR, description="`next_cursor` of the previous page")
+    str | None,
+    Query(pattern=CURSOR, description="`next_cursor` of the previous page"),
+    AfterValidator(lambda cursor: cursor or None),
 ]
 ModelFilter = Annotated[str | None, Query(pattern=NO_NUL, description="Only jobs of this model.")]
 
