@@ -433,7 +433,8 @@ async def test_a_run_with_an_agent_calls_it_as_rollout_jobs_do(serve) -> None:
     async def episode(body: dict[str, Any]) -> dict[str, Any]:
         calls.append(body)
         model, messages = body["model"], body["example"]["messages"]
-        async with httpx.AsyncClient(base_url=model["base_url"]) as client:
+        key = {"authorization": f"Bearer {model['api_key']}"}  # as an OpenAI client sends it
+        async with httpx.AsyncClient(base_url=model["base_url"], headers=key) as client:
             completion = await client.post(
                 "/chat/completions",
                 json={
