@@ -15,6 +15,7 @@ import pytest
 from app.backends import SPECS
 from app.backends.base import BackendError, classify
 from app.backends.hyperparameters import ArtLocalHyperparameters, ArtServerlessHyperparameters
+from app.training.service import hyperparameters_of
 from tests import factories as f
 from tests.backends import wait_final
 
@@ -107,6 +108,23 @@ def test_each_backend_takes_its_own_hyperparameters(backend, hyperparameters, ba
     model.model_validate(hyperparameters)
     with pytest.raises(ValueError, match=next(iter(bad))):
         model.model_validate(bad)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "art-local", "art-serverless", "dry-run"])
+@pytest.mark.parametrize(
+    ("given", "path"),
+    [
+        ({"learning_rate": "0.1"}, "hyperparameters.learning_rate"),
+        ({"scale_rewards": "yes"}, "hyperparameters.scale_rewards"),
+        ({"scale_rewards": 1}, "hyperparameters.scale_rewards"),
+    ],
+)
+def test_an_ill_typed_hyperparameter_is_refused_not_coerced(backend, given, path) -> None:
+    """A string is no number and 1 no boolean: each backend refuses them, naming the field,
+    where the lax parse stored 0.1 and true."""
+    accepted, errors = hyperparameters_of(backend, given)
+    assert accepted == {} and [".".join(map(str, e["loc"])) for e in errors] == [path]
+    assert hyperparameters_of(backend, {"learning_rate": 1})[0] == {"learning_rate": 1.0}
 
 
 async def test_backends_are_listed_with_their_schemas(live) -> None:

@@ -248,6 +248,18 @@ async def test_bad_input_is_refused_naming_the_field_and_stores_nothing(serve, t
             model="toy", examples=[{"id": 1, "messages": [{"role": "user", "content": "hi"}]}]
         )
         no_dataset = await post(model="toy", dataset={"name": "nope"})
+        twice = await post(model="toy", examples=[EXAMPLES[0], {**EXAMPLES[1], "id": "q0"}])
+        empty_id = await post(model="toy", examples=[{**EXAMPLES[0], "id": ""}])
+        # A webhook grader's address the egress policy refuses is refused at submission, as
+        # a rollout's is (not later, answer by answer).
+        metadata_address = {"type": "webhook", "url": "http://169.254.169.254/latest"}
+        mapped = {"type": "webhook", "url": "http://[::ffff:a9fe:a9fe]/x"}
+        egress = [
+            await client.post(
+                "/v1/evaluation-jobs", json={"model": "toy", "examples": EXAMPLES, "grader": g}
+            )
+            for g in (metadata_address, mapped)
+        ]
         bad_cursor = await client.get("/v1/evaluation-jobs/job_x/results")
         listed = (await client.get("/v1/evaluation-jobs")).json()
     assert unknown_model.status_code == 404 and _paths(unknown_model) == ["model"]
@@ -260,6 +272,12 @@ async def test_bad_input_is_refused_naming_the_field_and_stores_nothing(serve, t
     assert no_grader.status_code == 422 and _paths(no_grader) == ["grader"]
     assert no_expected.status_code == 422 and _paths(no_expected) == ["examples[0].expected"]
     assert no_dataset.status_code == 404 and _paths(no_dataset) == ["dataset.name"]
+    assert twice.status_code == 422 and _paths(twice) == ["examples[1].id"], twice.text
+    assert empty_id.status_code == 422 and _paths(empty_id) == ["examples[0].id"], empty_id.text
+    for refused in egress:
+        assert refused.status_code == 422 and _paths(refused) == ["grader.webhook.url"], (
+            refused.text
+        )
     assert bad_cursor.status_code == 404
     for response in (unknown_model, dry, both, no_expected):
         assert response.headers["content-type"].startswith("application/problem+json")

@@ -270,6 +270,15 @@ async def test_agent_rollout_runs_the_agents_own_episode(serve, tiny_model) -> N
         ),
         ({"agent": {"url": "http://127.0.0.1:9/x"}}, ""),
         ({"num_generations": 0}, "num_generations"),
+        # Every example is checked as a run's and a dataset's are.
+        ({"examples": [EXAMPLES[0], {**EXAMPLES[1], "id": "yes"}]}, "examples[1].id"),
+        ({"examples": [{**EXAMPLES[0], "id": ""}]}, "examples[0].id"),
+        ({"examples": [{**EXAMPLES[0], "id": 2**70}]}, "examples[0].id"),
+        ({"examples": [{**EXAMPLES[0], "id": "a\u0000b"}]}, "examples[0].id"),
+        (
+            {"examples": [{"id": 1, "messages": [{"role": "assistant", "content": "x"}]}]},
+            "examples[0].messages",
+        ),
         ({"grader": {"type": "telepathy"}}, "grader"),
         ({"train": {"hyperparameters": {"lr": 1}}}, "train.hyperparameters.lr"),
         ({"model": "nobody"}, "model"),

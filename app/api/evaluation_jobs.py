@@ -20,6 +20,7 @@ from app.api.deps import (
 )
 from app.api.job_events import add_event_routes
 from app.api.workers import with_waits
+from app.egress import EgressPolicy
 from app.evaluations import results, service
 from app.jobs import service as jobs_service
 from app.jobs.lifecycle import JobKind, JobStatus
@@ -73,6 +74,7 @@ async def create(
         idempotency_key=scoped_key(caller, idempotency_key),
         project_id=caller.sees,
         key_id=caller.key_id,
+        egress=EgressPolicy.from_settings(settings),
     )
     await session.commit()
     if replayed:

@@ -16,6 +16,7 @@ from app.backends import SPECS, Backends
 from app.checkpoints.service import resolve_alias
 from app.datasets import decode_splits
 from app.db import begin_write
+from app.egress import EgressPolicy
 from app.errors import InvalidInputError, NotFoundError, field_errors
 from app.evaluations import spec
 from app.gateway import LATEST, MAX_STEP
@@ -27,7 +28,7 @@ from app.models import DatasetRow, JobRow, ModelRow
 from app.schemas.checkpoints import ALIAS_PATTERN
 from app.schemas.evaluations import EvaluationJob, EvaluationJobCreate, EvaluationSummary
 from app.schemas.graders import NEEDS_EXPECTED
-from app.schemas.rollouts import Example
+from app.schemas.rollouts import Example, duplicate_ids, refused_destinations
 from app.settings import Settings
 
 # Examples above this many bytes are hashed, copied and compressed in a thread.
@@ -169,9 +170,12 @@ async def create_evaluation_job(
     idempotency_key: str | None = None,
     project_id: str | None = None,
     key_id: str | None = None,
+    egress: EgressPolicy | None = None,
 ) -> tuple[JobRow, bool]:
     """Store an evaluation job; (job, replayed). The model's step is resolved now. With
-    `project_id` (a key that is not admin), only that project's models and datasets."""
+    `project_id` (a key that is not admin), only that project's models and datasets.
+    `egress`: the policy a webhook grader's URL must pass, as far as it can be judged
+    before the call (an address literal, a denied name), as a rollout's."""
     if idempotency_key is not None:
         earlier = await replay(session, idempotency_key, job.request_hash)
         if earlier is not None:
@@ -183,6 +187,9 @@ async def create_evaluation_job(
     dataset_id = dataset.id if dataset is not None else None
     await session.rollback()  # end the reads: the spec is encoded before the write
     errors = _missing_expected(body, examples)
+    errors += duplicate_ids(job.examples or (), what="a job's examples")
+    if egress is not None:
+        errors += refused_destinations(None, body.grader, egress)
     if errors:
         raise InvalidInputError(
             f"{len(errors)} problem(s) in the request; nothing was stored",

@@ -28,6 +28,7 @@ from app.schemas.rollouts import (
     RolloutJob,
     RolloutJobCreate,
     RolloutSummary,
+    duplicate_ids,
     missing_expected,
     refused_destinations,
 )
@@ -55,7 +56,7 @@ def prepare(body: RolloutJobCreate, raw: bytes, settings: Settings) -> Prepared:
         body=body.model_copy(update={"examples": []}),
         num_examples=len(body.examples),
         examples=spec.examples_json(body.examples),
-        errors=missing_expected(body),
+        errors=missing_expected(body) + duplicate_ids(body.examples, what="a job's examples"),
         request_hash=hashlib.sha256(raw).hexdigest(),
     )
 

@@ -39,7 +39,7 @@ from app.runs.schedule import initial_state, waiting_id
 from app.runs.state import decode as decode_state
 from app.schemas.graders import NEEDS_EXPECTED
 from app.schemas.jobs import JobError
-from app.schemas.rollouts import refused_destinations
+from app.schemas.rollouts import duplicate_ids, refused_destinations
 from app.schemas.runs import (
     BestCheckpoint,
     DatasetRef,
@@ -116,13 +116,8 @@ def _split_errors(
     train = ref.train_split if ref else "train"
     validation = (ref.validation_split if ref else "validation") if body.validation else None
     at = ("dataset",) if ref else ("examples",)
-    errors: list[dict[str, Any]] = []
-    first_at: dict[str, int] = {}  # inline examples' ids are unique, as a dataset's are
-    for i, example in enumerate(body.examples or ()):
-        first = first_at.setdefault(str(example.id), i)
-        if first != i:
-            msg = f"the id of examples[{first}] again; ids are unique in a run's examples"
-            errors.append({"loc": ("examples", i, "id"), "msg": msg, "type": "duplicate_id"})
+    # Inline examples' ids are unique, as a dataset's are.
+    errors = duplicate_ids(body.examples or (), what="a run's examples")
     for name, field in ((train, "train_split"), (validation, "validation_split")):
         if name is not None and not splits.get(name):
             loc = (*at, field) if ref else at

@@ -95,9 +95,6 @@ class EvaluationJobCreate(BaseModel):
     def _consistent(self) -> EvaluationJobCreate:
         if (self.dataset is None) == (self.examples is None):
             raise ValueError("give exactly one of `dataset` or `examples`")
-        ids = [e.id for e in self.examples or ()]
-        if len(set(map(str, ids))) != len(ids):
-            raise ValueError("example ids must be unique")
         return self
 
 

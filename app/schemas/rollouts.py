@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Annotated, Any
 
@@ -10,6 +12,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    field_validator,
     model_validator,
 )
 
@@ -28,14 +31,22 @@ from app.schemas.pieces import EACH, Piece
 from app.schemas.supervised import PromptMessage
 from app.schemas.usage import JobCost, JobUsage
 
+MAX_ID_CHARS = 256
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+PROMPT_ROLES = ("system", "developer", "user")
+"""Roles one of which an example's messages must have: a prompt a rollout can answer."""
+
 
 class Example(BaseModel):
-    """One prompt to sample answers for."""
+    """One prompt to sample answers for, wherever examples come (a rollout's, an
+    evaluation's, a run's, a dataset's line): its `id` is checked, and its messages hold a
+    user, system or developer turn."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    id: Annotated[str, Field(pattern=NO_NUL)] | int = Field(
-        description="Your id for the example; unique in the job."
+    id: str | int = Field(
+        description=f"Your id for the example, unique in the job: 1-{MAX_ID_CHARS} "
+        "characters without control characters, or a signed 64-bit integer."
     )
     messages: Annotated[list[PromptMessage], AfterValidator(plain_json)] = Field(
         min_length=1, description="OpenAI-shaped chat messages: the prompt."
@@ -44,6 +55,37 @@ class Example(BaseModel):
         default=None, description="The reference answer graders compare to."
     )
     metadata: JsonObject = Field(default_factory=dict)
+
+    @field_validator("id")
+    @classmethod
+    def _an_id(cls, value: str | int) -> str | int:
+        if isinstance(value, int):
+            if not -(2**63) <= value < 2**63:
+                raise ValueError("an integer id is a signed 64-bit integer")
+        elif not 1 <= len(value) <= MAX_ID_CHARS:
+            raise ValueError(f"an id has 1-{MAX_ID_CHARS} characters, not {len(value)}")
+        elif _CONTROL.search(value):
+            raise ValueError("an id has no control characters (U+0000-U+001F, U+007F)")
+        return value
+
+    @field_validator("messages")
+    @classmethod
+    def _a_prompt(cls, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        if not any(m.get("role") in PROMPT_ROLES for m in messages):
+            raise ValueError("no user, system or developer turn: a rollout has no prompt to answer")
+        return messages
+
+
+def duplicate_ids(examples: Sequence[Example], *, what: str) -> list[dict[str, Any]]:
+    """An error at each example whose id (as text: 1 and "1" are one) an earlier one has."""
+    errors: list[dict[str, Any]] = []
+    first_at: dict[str, int] = {}
+    for i, example in enumerate(examples):
+        first = first_at.setdefault(str(example.id), i)
+        if first != i:
+            msg = f"the id of examples[{first}] again; ids are unique in {what}"
+            errors.append({"loc": ("examples", i, "id"), "msg": msg, "type": "duplicate_id"})
+    return errors
 
 
 class Sampling(BaseModel):
@@ -141,9 +183,6 @@ class RolloutJobCreate(BaseModel):
     def _consistent(self) -> RolloutJobCreate:
         if (self.grader is None) == (self.agent is None):
             raise ValueError("give exactly one of `grader` (sample here) or `agent`")
-        ids = [e.id for e in self.examples]
-        if len(set(map(str, ids))) != len(ids):
-            raise ValueError("example ids must be unique")
         return self
 
 

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import re
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from app.jobs.lifecycle import JobStatus
 from app.schemas.common import NO_NUL, JsonObject
@@ -22,45 +21,18 @@ SplitName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 """A name a client gives (a split's): 1-64 ASCII letters, digits, `_`, `.` and `-`,
 starting with a letter or digit, so never `.`, `..`, `__proto__` or a path."""
-MAX_ID_CHARS = 256
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-PROMPT_ROLES = ("system", "developer", "user")
-"""Roles one of which an example's messages must have: a prompt a rollout can answer."""
 
 
 class DatasetExample(Example):
     """An example of a dataset (one JSONL line), or of a run's inline `examples`: a
-    rollout example with the split it belongs to. Its identifiers are checked (`id`,
-    `split`), and its messages hold a user, system or developer turn."""
+    rollout example (its `id` and messages checked as every example's) with the split it
+    belongs to."""
 
-    id: str | int = Field(
-        description=f"Your id for the example, unique in the dataset: 1-{MAX_ID_CHARS} "
-        "characters without control characters, or a signed 64-bit integer."
-    )
     split: Annotated[str, Field(pattern=NAME_PATTERN)] = Field(
         default="train",
         description="The split it belongs to: 1-64 ASCII letters, digits, `_`, `.` and `-`, "
         "starting with a letter or digit.",
     )
-
-    @field_validator("id")
-    @classmethod
-    def _an_id(cls, value: str | int) -> str | int:
-        if isinstance(value, int):
-            if not -(2**63) <= value < 2**63:
-                raise ValueError("an integer id is a signed 64-bit integer")
-        elif not 1 <= len(value) <= MAX_ID_CHARS:
-            raise ValueError(f"an id has 1-{MAX_ID_CHARS} characters, not {len(value)}")
-        elif _CONTROL.search(value):
-            raise ValueError("an id has no control characters (U+0000-U+001F, U+007F)")
-        return value
-
-    @field_validator("messages")
-    @classmethod
-    def _a_prompt(cls, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        if not any(m.get("role") in PROMPT_ROLES for m in messages):
-            raise ValueError("no user, system or developer turn: a rollout has no prompt to answer")
-        return messages
 
 
 class Dataset(BaseModel):

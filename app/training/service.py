@@ -90,7 +90,7 @@ def hyperparameters_of(
             }
         ]
     try:
-        parsed = accepted.model_validate(hyperparameters)
+        parsed = accepted.model_validate(hyperparameters, strict=True)  # "0.1" is no number
     except ValidationError as exc:
         return {}, [{**e, "loc": (*loc, *e["loc"])} for e in exc.errors()]
     return parsed.model_dump(mode="json", exclude_unset=True), []
