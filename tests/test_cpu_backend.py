@@ -128,6 +128,28 @@ async def test_sample_train_and_serve_the_new_step(serve, tiny_model) -> None:
     assert (past, missing) == (200, 404)
 
 
+async def test_a_token_outside_the_vocabulary_fails_the_job_saying_so(serve, tiny_model) -> None:
+    """Answers whose logprobs name a token the model does not have (sampled from another
+    model, or made up) fail the job with a reason, not torch's IndexError."""
+    async with serve(worker_enabled=True) as live:
+        model = await register(live.client, tiny_model)
+        choices = await sample(model, n=2, max_tokens=2, seed=1)
+        choices[0]["logprobs"]["content"][0]["token"] = "token_id:99999999999"
+        group = {
+            "trajectories": [
+                {"messages_and_choices": [*PROMPT, c], "reward": float(i)}
+                for i, c in enumerate(choices)
+            ]
+        }
+        job = await live.client.post("/v1/training-jobs", json={"model": "toy", "groups": [group]})
+        assert job.status_code == 202, job.text
+        done = await wait_final(live.client, job.json()["id"])
+    assert done["status"] == "failed", done
+    assert done["error"]["type"] == "ValueError" and not done["error"]["transient"], done["error"]
+    assert "token_id:99999999999" in done["error"]["message"]
+    assert "outside the model's vocabulary" in done["error"]["message"]
+
+
 async def sample_status(model: dict, name: str) -> int:
     async with httpx.AsyncClient(base_url=model["inference_base_url"]) as client:
         response = await client.post("/chat/completions", json={"model": name, "messages": PROMPT})
