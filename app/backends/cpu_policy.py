@@ -276,15 +276,15 @@ class Policy:
 
     def _token_id(self, token: str) -> int:
         if token.startswith("token_id:"):
-            token_id = int(token.split(":", 1)[1])
+            named = int(token.split(":", 1)[1])
             vocabulary = self.model.get_input_embeddings().weight.shape[0]
-            if not 0 <= token_id < vocabulary:
+            if not 0 <= named < vocabulary:
                 # A ValueError is the job's permanent error, named (not torch's IndexError).
                 raise ValueError(
                     f"a logprob's token {token!r} is outside the model's vocabulary "
                     f"(0..{vocabulary - 1}): were these answers sampled from another model?"
                 )
-            return token_id
+            return named
         token_id = self.tokenizer.convert_tokens_to_ids(token)
         assert isinstance(token_id, int)
         return token_id
