@@ -373,7 +373,7 @@ async def test_what_the_api_accepts_the_worker_decodes(live, database_url, name,
 ACCEPTED_ROLLOUTS = {
     "deep messages": with_(rollout(), ("examples", 0, "messages", 0, "x"), nested(29, {})),
     "emoji": with_(rollout(), ("examples", 0, "messages", 0, "content"), "\U0001f600"),
-    "big integer id": with_(rollout(), ("examples", 0, "id"), 10**30),
+    "big integer id": with_(rollout(), ("examples", 0, "id"), 2**63 - 1),  # the largest
     "expected, nested": with_(rollout(), ("examples", 0, "expected"), {"a": nested(20)}),
 }
 
@@ -522,7 +522,7 @@ def many_wrong_examples() -> dict[str, Any]:
         (
             "/v1/rollout-jobs",
             many_wrong_examples,
-            ["examples[0].id.constrained-str", "examples[0].id.int"],
+            ["examples[0].id.str", "examples[0].id.int"],
         ),
     ],
 )

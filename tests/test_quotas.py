@@ -261,15 +261,16 @@ async def test_trainer_seconds_are_clipped_to_the_utc_day(store: QueueStore) -> 
 
 
 def test_every_submission_passes_the_quota_check() -> None:
-    """Jobs are inserted by `app.jobs.store.enqueue` only: through `enqueue_once` (every
-    API submission, which checks the quotas first) or as a job's or a run's child."""
+    """Jobs are inserted by `app.jobs.store.enqueue` (or `enqueue_new`, a run's child that
+    may exist) only: through `enqueue_once` (every API submission, which checks the quotas
+    first) or as a job's or a run's child."""
     callers = set()
     for path in APP.rglob("*.py"):
         tree = ast.parse(path.read_text(encoding="utf-8"))
         for node in ast.walk(tree):
             if isinstance(node, ast.Call):
                 name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
-                if name == "enqueue":
+                if name in ("enqueue", "enqueue_new"):
                     callers.add(str(path.relative_to(APP)))
     assert callers == {"jobs/service.py", "jobs/runs.py", "jobs/store.py"}
     source = (APP / "jobs" / "service.py").read_text(encoding="utf-8")

@@ -87,6 +87,9 @@ POSITIVE_DATA_ACCEPTANCE_OFF = {
     "evaluation_jobs-create",
     # A key's `expires_at` must be in the future.
     "projects-create_key",
+    # A window's start must come before its end (`from` < `to`, `since` < `until`).
+    "usage-get",
+    "audit-list",
 }
 
 

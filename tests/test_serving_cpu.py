@@ -28,8 +28,9 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("serving-models") / "tiny")
 
 
-async def _served(live: LiveServer, tiny_model: Path) -> str:
-    """Registers `toy` and returns its endpoint's base URL once it answers."""
+async def _served(live: LiveServer, tiny_model: Path) -> tuple[str, dict[str, str]]:
+    """Registers `toy` and returns its endpoint's base URL once it answers, and the header
+    of the key that endpoint takes for it."""
     response = await live.client.post(
         "/v1/models", json={"name": "toy", "base_model": str(tiny_model), "backend": "cpu"}
     )
@@ -41,7 +42,8 @@ async def _served(live: LiveServer, tiny_model: Path) -> str:
     )
     assert first.status_code == 200, first.text
     # The backend's own endpoint, as the worker recorded it (the API hands out the gateway).
-    return await _served_at(live.app.state.settings.database_url, "toy")
+    endpoint, key = await _served_at(live.app.state.settings.database_url, "toy")
+    return endpoint, {"authorization": f"Bearer {key}"}
 
 
 async def _metric(live: LiveServer, name: str, where: str, **labels: str) -> float:
@@ -60,8 +62,8 @@ def _at(live: LiveServer, name: str, where: str, value: float, **labels: str) ->
     return condition
 
 
-async def _abandon(url: str, body: dict[str, Any]) -> None:
-    async with httpx.AsyncClient(timeout=0.5) as impatient:
+async def _abandon(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> None:
+    async with httpx.AsyncClient(timeout=0.5, headers=headers) as impatient:
         with pytest.raises(httpx.TimeoutException):
             await impatient.post(url, json=body)
 
@@ -69,12 +71,12 @@ async def _abandon(url: str, body: dict[str, Any]) -> None:
 async def test_abandoned_requests_stop_generating_and_free_the_model(serve, tiny_model) -> None:
     roots = [tiny_model.parent]
     async with serve(worker_enabled=True, model_roots=roots, serving_max_tokens=10**9) as live:
-        endpoint = await _served(live, tiny_model)
+        endpoint, key = await _served(live, tiny_model)
         big = {"model": "toy", "messages": PROMPT, **BIG}
         # Through the gateway, and straight at the backend (as rollouts sample).
         await asyncio.gather(
             *(_abandon(f"{live.url}/openai/v1/chat/completions", big) for _ in range(3)),
-            *(_abandon(f"{endpoint}/chat/completions", big) for _ in range(2)),
+            *(_abandon(f"{endpoint}/chat/completions", big, key) for _ in range(2)),
         )
         # Each one stopped unfinished (between tokens, or while it waited for the model).
         await until(_at(live, "trainyard_serving_abandoned", "cpu", 5), 120, "cancellations")
@@ -96,8 +98,8 @@ async def test_a_saturated_backend_answers_429_and_rollouts_wait_their_turn(
     roots = [tiny_model.parent]
     bound = BIG["n"] * BIG["max_tokens"]
     async with serve(worker_enabled=True, model_roots=roots, serving_max_tokens=bound) as live:
-        endpoint = await _served(live, tiny_model)
-        async with httpx.AsyncClient(timeout=600) as patient:
+        endpoint, key = await _served(live, tiny_model)
+        async with httpx.AsyncClient(timeout=600, headers=key) as patient:
             held = asyncio.ensure_future(
                 patient.post(
                     f"{endpoint}/chat/completions",
@@ -117,7 +119,8 @@ async def test_a_saturated_backend_answers_429_and_rollouts_wait_their_turn(
                 assert ready.status_code == 503
                 assert "saturated: toy (cpu)" in ready.json()["checks"]["models"]["detail"]
                 # A rollout's client waits its turn: no attempt is spent on a 429.
-                async with SamplingClient(endpoint, None, retries=0, backoff=0.01) as client:
+                secret = key["authorization"].removeprefix("Bearer ")
+                async with SamplingClient(endpoint, secret, retries=0, backoff=0.01) as client:
                     waiting = asyncio.ensure_future(
                         client.chat({"model": "toy", "messages": PROMPT, "max_tokens": 1})
                     )
@@ -143,7 +146,7 @@ def _at_least(live: LiveServer, name: str, where: str, value: float) -> Any:
 
 async def test_the_cpu_backend_reads_the_whole_chat_request(serve, tiny_model) -> None:
     async with serve(worker_enabled=True, model_roots=[tiny_model.parent]) as live:
-        endpoint = await _served(live, tiny_model)
+        endpoint, key = await _served(live, tiny_model)
         parts = [
             {"role": "system", "content": [{"type": "text", "text": "be brief"}]},
             {
@@ -151,11 +154,12 @@ async def test_the_cpu_backend_reads_the_whole_chat_request(serve, tiny_model) -
                 "content": [{"type": "text", "text": "say "}, {"type": "text", "text": "yes"}],
             },
         ]
-        for url in (f"{live.url}/openai/v1", endpoint):
+        for url, headers in ((f"{live.url}/openai/v1", {}), (endpoint, key)):
             for seed in (2**63 - 1, -(2**63)):
                 answer = await live.client.post(
                     f"{url}/chat/completions",
                     json={"model": "toy", "messages": parts, "max_tokens": 2, "seed": seed},
+                    headers=headers,
                     timeout=120,
                 )
                 assert answer.status_code == 200, answer.text
@@ -163,17 +167,22 @@ async def test_the_cpu_backend_reads_the_whole_chat_request(serve, tiny_model) -
             refused = await live.client.post(
                 f"{url}/chat/completions",
                 json={"model": "toy", "messages": [{"role": "user", "content": ["hi", image]}]},
+                headers=headers,
             )
             assert refused.status_code == 400
             assert "`messages[0].content[0]`" in refused.json()["error"]["message"]
             for bad in ({"seed": 2**63}, {"messages": [{"role": "robot", "content": "hi"}]}):
                 body = {"model": "toy", "messages": PROMPT, **bad}
-                refused = await live.client.post(f"{url}/chat/completions", json=body)
+                refused = await live.client.post(
+                    f"{url}/chat/completions", json=body, headers=headers
+                )
                 assert refused.status_code == 400, refused.text
                 assert refused.headers["content-type"] == "application/json"
         for name in ("toy@01", "toy@\u0661"):
             missing = await live.client.post(
-                f"{endpoint}/chat/completions", json={"model": name, "messages": PROMPT}
+                f"{endpoint}/chat/completions",
+                json={"model": name, "messages": PROMPT},
+                headers=key,
             )
             assert missing.status_code == 404
 
