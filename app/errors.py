@@ -86,6 +86,12 @@ class LimitExceededError(ProblemError):
     status, title, slug = 413, "Content Too Large", "limit-exceeded"
 
 
+class UnsupportedMediaTypeError(ProblemError):
+    """The body is not in a media type the route reads (`errors` names the header)."""
+
+    status, title, slug = 415, "Unsupported Media Type", "unsupported-media-type"
+
+
 class UnavailableError(ProblemError):
     status, title, slug = 503, "Service Unavailable", "unavailable"
 

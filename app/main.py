@@ -213,10 +213,11 @@ def _document_problems(app: FastAPI, reading_order: list[APIRouter], open_paths:
                 schema["components"]["securitySchemes"] = {"HTTPBearer": BEARER_SCHEME}
             validation = problem_responses(422)[422]
             # Statuses the app-wide handlers send from any route: 413 from the body limit
-            # (for operations that take a body), 503 with Retry-After when the database or
-            # a dependency is down (routes that do I/O). Listed, so that generated clients
+            # (for operations that take a body), 415 for a JSON body sent as another type,
+            # 503 with Retry-After when the database or a dependency is down (routes that
+            # do I/O). Listed, so that generated clients
             # parse them as problems rather than leave them unparsed.
-            too_large, unavailable = problem_responses(413, 503).values()
+            too_large, not_json, unavailable = problem_responses(413, 415, 503).values()
             for name, path in schema.get("paths", {}).items():
                 for operation in path.values():
                     responses = operation.setdefault("responses", {})
@@ -224,6 +225,8 @@ def _document_problems(app: FastAPI, reading_order: list[APIRouter], open_paths:
                         responses["422"] = validation
                     if "requestBody" in operation:
                         responses.setdefault("413", too_large)
+                    if "application/json" in operation.get("requestBody", {}).get("content", {}):
+                        responses.setdefault("415", not_json)
                     if name not in _NO_IO:
                         responses.setdefault("503", unavailable)
             app.openapi_schema = schema

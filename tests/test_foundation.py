@@ -145,6 +145,38 @@ async def test_malformed_json_is_a_422_problem(live) -> None:
     assert response.json()["errors"][0]["type"] == "json_invalid"
 
 
+@pytest.mark.parametrize(
+    ("headers", "sent"),
+    [
+        ({"content-type": "text/plain"}, "Content-Type 'text/plain' was sent"),
+        ({"content-type": "application/x-www-form-urlencoded"}, "'application/x-www-form-url"),
+        ({}, "no Content-Type was sent"),
+    ],
+)
+async def test_a_json_body_sent_as_another_type_is_a_415_naming_the_header(
+    live, headers, sent
+) -> None:
+    # curl's `-d` alone sends a form's type; a JSON text is not read as JSON under it.
+    response = await live.client.post(
+        "/v1/models", content=json.dumps(model_body()).encode(), headers=headers
+    )
+    listed = await live.client.get("/v1/models")
+    assert response.status_code == 415, response.text
+    assert response.headers["content-type"] == "application/problem+json"
+    problem = response.json()
+    assert "send Content-Type: application/json" in problem["detail"]
+    assert sent in problem["detail"]
+    assert problem["errors"] == [
+        {
+            "location": "header",
+            "path": "content-type",
+            "message": problem["detail"],
+            "type": "media_type",
+        }
+    ]
+    assert listed.json()["data"] == []
+
+
 async def test_api_keys_guard_the_api_but_not_health(serve) -> None:
     async with serve(api_keys="k1, k2") as live:
         missing = await live.client.get("/v1/models")

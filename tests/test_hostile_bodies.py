@@ -522,7 +522,7 @@ def many_wrong_examples() -> dict[str, Any]:
         (
             "/v1/rollout-jobs",
             many_wrong_examples,
-            ["examples[0].id.str", "examples[0].id.int"],
+            ["examples[0].id", "examples[0].id"],
         ),
     ],
 )

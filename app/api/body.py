@@ -31,7 +31,13 @@ from typing import Any, Generic, Protocol, TypeVar
 from fastapi import Request
 from pydantic import BaseModel
 
-from app.errors import InvalidInputError, LimitExceededError, ProblemError, format_path
+from app.errors import (
+    InvalidInputError,
+    LimitExceededError,
+    ProblemError,
+    UnsupportedMediaTypeError,
+    format_path,
+)
 from app.ingest import jsontext
 from app.ingest.edge import body_of
 from app.ingest.freeing import dispose, dispose_after_response, gc_paused
@@ -173,13 +179,13 @@ def _read_into(
     settings: Settings,
     trash: list[Any],
 ) -> R | ProblemError:
-    problem = _content_type_problem(content_type)
-    if problem is not None:
-        return _invalid([problem])
     if not raw:
         return _invalid(
             [FieldError(location="body", path="", message="Field required", type="missing")]
         )
+    problem = _content_type_problem(content_type)
+    if problem is not None:
+        return problem
     if reading.stream is not None and len(raw) > INLINE_BYTES:
         streamed = _read_streamed(raw, reading, reading.stream(settings), settings, trash)
         if streamed is not None:
@@ -266,8 +272,10 @@ def _invalid(errors: list[FieldError], *, more: bool = False) -> InvalidInputErr
     return InvalidInputError(detail, errors=listed)
 
 
-def _content_type_problem(content_type: str | None) -> FieldError | None:
-    """What FastAPI answers for a body that is not JSON; and JSON in another charset."""
+def _content_type_problem(content_type: str | None) -> ProblemError | None:
+    """A 415 for a body not sent as JSON (curl's `-d` sends a form's type; a JSON text sent
+    as `text/plain` is not read as JSON either), naming the header to send; a 422 for JSON
+    in a charset other than UTF-8."""
     message = email.message.Message()
     message["content-type"] = content_type or ""
     subtype = message.get_content_subtype()
@@ -276,19 +284,25 @@ def _content_type_problem(content_type: str | None) -> FieldError | None:
         or message.get_content_maintype() != "application"
         or not (subtype == "json" or subtype.endswith("+json"))
     ):
-        return FieldError(
-            location="body",
-            path="",
-            message="Input should be a valid dictionary or object to extract fields from",
-            type="model_attributes_type",
+        sent = f"Content-Type {content_type.split(';')[0]!r}" if content_type else "no Content-Type"
+        detail = (
+            f"this route reads a JSON body: send Content-Type: application/json ({sent} was sent)"
         )
+        error = FieldError(
+            location="header", path="content-type", message=detail, type="media_type"
+        )
+        return UnsupportedMediaTypeError(detail, errors=[error])
     charset = message.get_param("charset")
     if isinstance(charset, str) and charset.lower().replace("-", "") not in ("utf8", "usascii"):
-        return FieldError(
-            location="body",
-            path="",
-            message=f"JSON bodies are UTF-8 (RFC 8259); this one says charset={charset}",
-            type="json_invalid",
+        return _invalid(
+            [
+                FieldError(
+                    location="body",
+                    path="",
+                    message=f"JSON bodies are UTF-8 (RFC 8259); this one says charset={charset}",
+                    type="json_invalid",
+                )
+            ]
         )
     return None
 

@@ -101,10 +101,17 @@ class ModelKeys:
 
     def __init__(self) -> None:
         self._secret = secrets.token_bytes(32)
+        self._keys: dict[str, bytes] = {}  # by model: computed once, compared per request
 
     def key(self, model: str) -> str:
-        digest = hmac.new(self._secret, model.encode(), hashlib.sha256).hexdigest()
-        return self.PREFIX + digest
+        return self._key(model).decode()
+
+    def _key(self, model: str) -> bytes:
+        key = self._keys.get(model)
+        if key is None:
+            digest = hmac.new(self._secret, model.encode(), hashlib.sha256).hexdigest()
+            key = self._keys[model] = (self.PREFIX + digest).encode()
+        return key
 
     def model_of(self, authorization: str | None, names: Iterable[str]) -> str | None:
         """The model among `names` whose key the `Authorization` header holds, if any."""
@@ -112,8 +119,9 @@ class ModelKeys:
         if scheme.lower() != "bearer" or not given.startswith(self.PREFIX):
             return None
         found = None
+        held = given.strip().encode()
         for name in names:  # each compared in constant time
-            if hmac.compare_digest(self.key(name).encode(), given.strip().encode()):
+            if hmac.compare_digest(self._key(name), held):
                 found = name
         return found
 

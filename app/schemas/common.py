@@ -138,6 +138,7 @@ def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
         404: "Not found; `errors` names the path parameter that named what is missing",
         409: "Conflict with the current state",
         413: "Request body too large",
+        415: "The body is not sent as `Content-Type: application/json`",
         422: "Validation failed; `errors` lists each failing field",
         429: "A quota of the project refuses it (`quota` names it, `limit` its value); "
         "nothing was stored; retry after `Retry-After` seconds",

@@ -84,16 +84,57 @@ def validate(
                 try:
                     items[i] = piece.adapter.validate_python(item, from_attributes=True)
                 except ValidationError as exc:
-                    errors = stand_ins.expand(exc.errors(include_url=False))
+                    errors = at_body_paths(stand_ins.expand(exc.errors(include_url=False)), item)
                     found += len(errors)
                     items[i] = stand_ins.new(errors)
     try:
         body = model.model_validate(data, from_attributes=True)
     except ValidationError as exc:
-        return None, stand_ins.expand(exc.errors(include_url=False))[:max_errors], more
+        errors = at_body_paths(stand_ins.expand(exc.errors(include_url=False)), data)
+        return None, errors[:max_errors], more
     # Items are left unvalidated only once errors were found, and those stay in the body.
     assert not more, "a body with unvalidated items passed validation"
     return body, [], False
+
+
+def at_body_paths(errors: list[dict[str, Any]], body: Any) -> list[dict[str, Any]]:
+    """`errors` with each `loc` made the path of a value in `body` (`body_loc`)."""
+    return [
+        {**error, "loc": body_loc(error["loc"], body, missing=error.get("type") == "missing")}
+        for error in errors
+    ]
+
+
+def body_loc(
+    loc: Sequence[str | int], body: Any, *, missing: bool = False
+) -> tuple[str | int, ...]:
+    """Pydantic's `loc` of an error as the path of the value in the body it validated.
+
+    Inside a union, pydantic puts the branch it tried in the path: a discriminated union's
+    tag (`grader.regex.pattern` for the body's `grader.pattern`), another union's type
+    (`examples[0].id.str`). Those name nothing a client sent. Each part is kept where it
+    names a key or an index of the body at that point, where it is the last part of a
+    `missing` error under an object (the field that is missing), and where it is `[key]`
+    (the key itself is wrong); any other part is a branch, and dropped. A stand-in of
+    `validate` (bytes, no JSON value) holds a piece whose errors are already at body paths:
+    the rest is kept as it is."""
+    out: list[str | int] = []
+    node = body
+    for i, part in enumerate(loc):
+        if type(node) is bytes:
+            out.extend(loc[i:])
+            break
+        if part == "[key]":
+            out.append(part)
+            node = None
+        elif (isinstance(node, dict) and isinstance(part, str) and part in node) or (
+            isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node)
+        ):
+            out.append(part)
+            node = node[part]  # type: ignore[index]
+        elif missing and isinstance(node, dict) and i == len(loc) - 1:
+            out.append(part)  # a missing field
+    return tuple(out)
 
 
 def validate_item(item: Any, path: tuple[str, ...], pieces: Sequence[Piece]) -> Any | None:
