@@ -15,23 +15,37 @@ SKY_STAMP := $(SKY_VENV)/.installed
 TINKER_VENV  ?= .venv-tinker
 TINKER_STAMP := $(TINKER_VENV)/.installed
 
+# uv installs every environment, pinned by the constraints files as pip would be: the same
+# packages (checked against pip's, environment by environment) in about a tenth of the
+# time (NAT's: 14 s against 120 s here). It comes from PyPI, pinned, into a venv of its
+# own. Wheels this machine keeps on disk (pip's find-links: the CPU build of torch) are
+# given to uv too; without them torch==2.13.0 would be PyPI's CUDA build.
+UV_VENV    := .venv-uv
+UV         := $(UV_VENV)/bin/uv
+UV_VERSION := 0.13.10
+FIND_LINKS ?= $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
+UV_INSTALL  = $(UV) pip install --quiet $(foreach links,$(FIND_LINKS),--find-links $(links)) --python
+
 .PHONY: run test test-312 lint typecheck check openapi bench bench-compare clean
+
+$(UV):
+	$(PYTHON) -m venv $(UV_VENV)
+	$(UV_VENV)/bin/python -m pip install --quiet uv==$(UV_VERSION)
 
 # The server with its dev and cpu extras, and the client distribution (clients/python: SDK
 # and CLI) beside it, editable, so its tests run against this checkout's server.
-$(STAMP): pyproject.toml constraints.txt clients/python/pyproject.toml
+$(STAMP): pyproject.toml constraints.txt clients/python/pyproject.toml | $(UV)
 	@$(PYTHON) -c 'import sys; sys.exit("Trainyard needs Python >= 3.11, found " + sys.version.split()[0]) if sys.version_info < (3, 11) else None'
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev,cpu]" -e "clients/python[cli,art]"
+	$(UV_INSTALL) $(BIN)/python -c constraints.txt -e ".[dev,cpu]" -e "clients/python[cli,art]"
 	@touch $(STAMP)
 
 # No cpu extra: every torch for Python 3.12 here is a multi-GB CUDA build. constraints-art.txt
 # is this environment's `pip freeze --exclude-editable`.
-$(ART_STAMP): pyproject.toml clients/python/pyproject.toml constraints-art.txt
+$(ART_STAMP): pyproject.toml clients/python/pyproject.toml constraints-art.txt | $(UV)
 	rm -rf .venv-art
 	$(PY312) -m venv .venv-art
-	.venv-art/bin/python -m pip install --quiet -c constraints-art.txt "openpipe-art==0.5.23" \
+	$(UV_INSTALL) .venv-art/bin/python -c constraints-art.txt "openpipe-art==0.5.23" \
 		-e ".[dev]" -e "clients/python[cli,art]"
 	@.venv-art/bin/python -c 'import importlib.util, sys; sys.exit("torch got into .venv-art") if importlib.util.find_spec("torch") else None'
 	@touch $(ART_STAMP)
@@ -42,11 +56,10 @@ $(ART_STAMP): pyproject.toml clients/python/pyproject.toml constraints-art.txt
 # without it NAT records no LLM call and builds no trajectory. No torch: NAT trains nothing
 # itself here, Trainyard does. The `judge` extra brings openevals, whose string evaluators
 # (NAT's `langsmith` evaluator) score without an LLM judge.
-$(NAT_STAMP): constraints-nat.txt clients/python/pyproject.toml
+$(NAT_STAMP): constraints-nat.txt clients/python/pyproject.toml | $(UV)
 	@$(PYTHON) -c 'import sys; sys.exit("NAT 1.9 needs Python 3.11 to 3.13, found " + sys.version.split()[0]) if not (3, 11) <= sys.version_info[:2] <= (3, 13) else None'
 	$(PYTHON) -m venv $(NAT_VENV)
-	$(NAT_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(NAT_VENV)/bin/python -m pip install --quiet -c constraints-nat.txt \
+	$(UV_INSTALL) $(NAT_VENV)/bin/python -c constraints-nat.txt \
 		nvidia-nat-core==1.9.0 "nvidia-nat-eval[full]==1.9.0" "nvidia-nat-langchain[openai,judge]==1.9.0" \
 		nvidia-nat-openpipe-art==1.9.0 nvidia-nat-profiler==1.9.0 -e "clients/python[nat]"
 	@$(NAT_VENV)/bin/python -c 'import importlib.util, sys; sys.exit("torch got into $(NAT_VENV)") if importlib.util.find_spec("torch") else None'
@@ -55,20 +68,18 @@ $(NAT_STAMP): constraints-nat.txt clients/python/pyproject.toml
 # SkyPilot in an environment of its own (it pins click < 8.2 and uvicorn < 0.36; the server
 # has newer ones): tests/test_skypilot.py loads deploy/skypilot/worker-gpu.yaml with it.
 # constraints-sky.txt is this environment's `pip freeze`.
-$(SKY_STAMP): constraints-sky.txt
+$(SKY_STAMP): constraints-sky.txt | $(UV)
 	$(PYTHON) -m venv $(SKY_VENV)
-	$(SKY_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(SKY_VENV)/bin/python -m pip install --quiet -c constraints-sky.txt skypilot==0.14.1
+	$(UV_INSTALL) $(SKY_VENV)/bin/python -c constraints-sky.txt skypilot==0.14.1
 	@touch $(SKY_STAMP)
 
 # The Tinker SDK (tinker 0.38.0) in an environment of its own: it is a client, and the server
 # depends neither on it nor on protobuf (app/tinker/wire.py reads and writes its messages).
 # tests/test_tinker_sdk.py runs programs written against it from here.
 # constraints-tinker.txt is this environment's `pip freeze`.
-$(TINKER_STAMP): constraints-tinker.txt
+$(TINKER_STAMP): constraints-tinker.txt | $(UV)
 	$(PYTHON) -m venv $(TINKER_VENV)
-	$(TINKER_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(TINKER_VENV)/bin/python -m pip install --quiet -c constraints-tinker.txt tinker==0.38.0
+	$(UV_INSTALL) $(TINKER_VENV)/bin/python -c constraints-tinker.txt tinker==0.38.0
 	@touch $(TINKER_STAMP)
 
 ## Serve the API and an in-process worker on http://127.0.0.1:8000 (embedded SQLite), with
@@ -123,4 +134,4 @@ bench-compare: $(STAMP)
 	$(BIN)/python -m bench.compare --against $(REV) $(BENCH_COMPARE_ARGS)
 
 clean:
-	rm -rf $(VENV) .venv-art $(NAT_VENV) $(SKY_VENV) var .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-art $(NAT_VENV) $(SKY_VENV) $(TINKER_VENV) $(UV_VENV) var .pytest_cache .mypy_cache .ruff_cache

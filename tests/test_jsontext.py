@@ -29,7 +29,7 @@ from app.ingest import jsontext
 from app.ingest.freeing import dispose, gc_paused
 from app.rollouts import spec as rollout_spec
 from app.schemas.jobs import TRAINING_PIECES, TrainingJobCreate
-from app.schemas.pieces import validate
+from app.schemas.pieces import at_body_paths, validate
 from app.schemas.rollouts import ROLLOUT_PIECES, RolloutJobCreate
 from app.training import spec as training_spec
 from tests import factories as f
@@ -198,10 +198,13 @@ def test_a_thread_reading_a_large_text_lets_other_threads_run() -> None:
 
 
 def errors_of(model: Any, document: Any) -> list[tuple[Any, ...]]:
+    """The errors of validating `document` whole, at the paths of the body (a union's
+    branch left out, as `validate` reports them)."""
     try:
         model.model_validate(json.loads(json.dumps(document)), from_attributes=True)
     except Exception as exc:  # a ValidationError
-        return [(tuple(e["loc"]), e["msg"], e["type"]) for e in exc.errors(include_url=False)]
+        errors = at_body_paths(exc.errors(include_url=False), document)
+        return [(tuple(e["loc"]), e["msg"], e["type"]) for e in errors]
     return []
 
 
