@@ -258,6 +258,11 @@ async def test_agent_rollout_runs_the_agents_own_episode(serve, tiny_model) -> N
         ({"grader": {"type": "regex", "pattern": "("}}, "grader.pattern"),
         ({"grader": {"type": "regex"}}, "grader.pattern"),
         ({"examples": [{**EXAMPLES[0], "id": [1]}]}, "examples[0].id"),
+        # A prompt's content is text, content parts or null: no number.
+        (
+            {"examples": [{**EXAMPLES[0], "messages": [{"role": "user", "content": 5}]}]},
+            "examples[0].messages[0].content",
+        ),
         (
             {"examples": [{"id": 1, "messages": [{"role": "user", "content": "x"}]}]},
             "examples[0].expected",

@@ -26,10 +26,11 @@ ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 @with_config(ConfigDict(extra="allow"))
 class PromptMessage(TypedDict):
     """An OpenAI chat message of a prompt: its `role` checked (a bad one is refused at
-    `…messages[j].role`), the rest (content parts, `tool_calls`, `name`) kept as sent."""
+    `…messages[j].role`), its `content` text, a list of content parts or null (anything else
+    at `…messages[j].content`), the rest (`tool_calls`, `name`) kept as sent."""
 
     role: Role
-    content: NotRequired[Any]
+    content: NotRequired[str | list[dict[str, Any]] | None]
 
 
 @with_config(ConfigDict(extra="allow"))
