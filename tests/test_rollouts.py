@@ -303,6 +303,30 @@ async def test_bad_rollout_requests_are_422_with_paths(serve, tiny_model, change
     assert listed["data"] == []
 
 
+@pytest.mark.parametrize(
+    ("url", "wrong"),
+    [
+        ("/v1/rollout-jobs", {"num_generations": 0}),
+        ("/v1/evaluation-jobs", {"samples_per_example": 0}),
+        ("/v1/runs", {"schedule": {"max_steps": 0}}),
+        ("/v1/run-estimates", {"schedule": {"max_steps": 0}}),
+    ],
+)
+async def test_a_repeated_id_is_listed_with_the_bodys_other_problems(serve, url, wrong) -> None:
+    # The repeated id is the service's check of a valid body; one answer names every problem.
+    examples = [EXAMPLES[0], EXAMPLES[1], {**EXAMPLES[1], "id": EXAMPLES[0]["id"]}]
+    body = {"model": "toy", "examples": examples, "grader": {"type": "exact_match"}, **wrong}
+    if url.startswith("/v1/run"):
+        body = {"model": "toy", "examples": examples, **wrong}
+        body["recipe"] = {"grader": {"type": "exact_match"}}
+    async with serve() as live:
+        response = await live.client.post(url, json=body)
+    assert response.status_code == 422, response.text
+    errors = {e["path"]: e["type"] for e in response.json()["errors"]}
+    assert errors.pop("examples[2].id") == "duplicate_id", errors
+    assert len(errors) == 1 and next(iter(errors.values())) == "greater_than_equal", errors
+
+
 async def test_a_model_that_is_not_served_cannot_roll_out(serve) -> None:
     async with serve() as live:
         await live.client.post(

@@ -102,6 +102,10 @@ class Reading(Generic[M, R]):
     """Other shapes of the body, by the value of its `key` field (a training job's
     `method`): a body whose `key` names one is read as that one says; any other value is
     refused at `key`, naming those accepted. A body without `key` is read as this one."""
+    also: Callable[[Any], list[dict[str, Any]]] | None = None
+    """Checks the service makes of a valid body (a repeated example id), made of the parsed
+    body as well: where validation fails, their errors follow its own, so that one answer
+    names every problem (pydantic's errors, as `validate` returns them)."""
     key: str = "method"
     default: str = ""
     """The value of `key` this reading stands for (listed among the accepted ones)."""
@@ -212,9 +216,10 @@ def _read_into(
                 f"{len(over)} limit(s) of this service exceeded; nothing was stored",
                 errors=over,
             )
+    also = reading.also(data) if reading.also is not None else []  # before `validate`
     body, errors, more = validate(reading.model, data, reading.pieces, MAX_ERRORS)
     if body is None:
-        return _invalid(field_errors_of(errors), more=more)
+        return _invalid(field_errors_of(errors + also), more=more)
     trash.append(body)
     return reading.prepare(body, raw, settings)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
@@ -34,12 +35,19 @@ from app.schemas.evaluations import (
     EvaluationReport,
     EvaluationResult,
 )
+from app.schemas.rollouts import raw_duplicate_ids
 
 router = APIRouter(
     prefix="/v1/evaluation-jobs", tags=["evaluation_jobs"], responses=problem_responses(401)
 )
 EVALUATION = JobKind.evaluation
-READING = Reading(EvaluationJobCreate, service.prepare, EVALUATION_PIECES, limits)
+READING = Reading(
+    EvaluationJobCreate,
+    service.prepare,
+    EVALUATION_PIECES,
+    limits,
+    also=partial(raw_duplicate_ids, what="a job's examples"),
+)
 ResultCursor = Annotated[
     str | None,
     Query(

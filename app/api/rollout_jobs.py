@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
@@ -25,14 +26,25 @@ from app.jobs import service as jobs_service
 from app.jobs.lifecycle import JobKind, JobStatus
 from app.rollouts import service
 from app.schemas.common import Page, problem_responses
-from app.schemas.rollouts import ROLLOUT_PIECES, RolloutJob, RolloutJobCreate
+from app.schemas.rollouts import (
+    ROLLOUT_PIECES,
+    RolloutJob,
+    RolloutJobCreate,
+    raw_duplicate_ids,
+)
 from app.schemas.trajectories import TrajectoryCollection
 
 router = APIRouter(
     prefix="/v1/rollout-jobs", tags=["rollout_jobs"], responses=problem_responses(401)
 )
 ROLLOUT = JobKind.rollout
-READING = Reading(RolloutJobCreate, service.prepare, ROLLOUT_PIECES, service.limits)
+READING = Reading(
+    RolloutJobCreate,
+    service.prepare,
+    ROLLOUT_PIECES,
+    service.limits,
+    also=partial(raw_duplicate_ids, what="a job's examples"),
+)
 
 
 @router.post(

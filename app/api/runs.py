@@ -3,6 +3,7 @@ durable resource (the datasets they read: `app.api.datasets`)."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request, Response
@@ -26,6 +27,7 @@ from app.models import JobRow, RunRow
 from app.runs import estimate as estimating
 from app.runs import service
 from app.schemas.common import Page, problem_responses
+from app.schemas.rollouts import raw_duplicate_ids
 from app.schemas.runs import RUN_PIECES, Run, RunCreate, RunEstimate, RunMetric, RunSettings
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"], responses=problem_responses(401))
@@ -34,7 +36,12 @@ estimates_router = APIRouter(
     prefix="/v1/run-estimates", tags=["runs"], responses=problem_responses(401)
 )
 RUN = JobKind.run
-READING = Reading(RunCreate, service.prepare, RUN_PIECES)
+READING = Reading(
+    RunCreate,
+    service.prepare,
+    RUN_PIECES,
+    also=partial(raw_duplicate_ids, what="a run's examples"),
+)
 
 
 @router.post(

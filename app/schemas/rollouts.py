@@ -78,10 +78,29 @@ class Example(BaseModel):
 
 def duplicate_ids(examples: Sequence[Example], *, what: str) -> list[dict[str, Any]]:
     """An error at each example whose id (as text: 1 and "1" are one) an earlier one has."""
+    return _repeated([str(example.id) for example in examples], what)
+
+
+def raw_duplicate_ids(data: Any, *, what: str) -> list[dict[str, Any]]:
+    """`duplicate_ids` of a parsed body that has not passed validation (`Reading.also`):
+    among its examples whose id is a string or an integer."""
+    examples = data.get("examples") if isinstance(data, dict) else None
+    if not isinstance(examples, list):
+        return []
+    ids = [
+        str(e["id"]) if isinstance(e, dict) and type(e.get("id")) in (str, int) else None
+        for e in examples
+    ]
+    return _repeated(ids, what)
+
+
+def _repeated(ids: Sequence[str | None], what: str) -> list[dict[str, Any]]:
     errors: list[dict[str, Any]] = []
     first_at: dict[str, int] = {}
-    for i, example in enumerate(examples):
-        first = first_at.setdefault(str(example.id), i)
+    for i, ident in enumerate(ids):
+        if ident is None:
+            continue
+        first = first_at.setdefault(ident, i)
         if first != i:
             msg = f"the id of examples[{first}] again; ids are unique in {what}"
             errors.append({"loc": ("examples", i, "id"), "msg": msg, "type": "duplicate_id"})
