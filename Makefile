@@ -19,12 +19,14 @@ TINKER_STAMP := $(TINKER_VENV)/.installed
 # packages (checked against pip's, environment by environment) in about a tenth of the
 # time (NAT's: 14 s against 120 s here). It comes from PyPI, pinned, into a venv of its
 # own. Wheels this machine keeps on disk (pip's find-links: the CPU build of torch) are
-# given to uv too; without them torch==2.13.0 would be PyPI's CUDA build.
+# given to uv too; without them torch==2.13.0 would be PyPI's CUDA build. Bytecode is
+# compiled at install, as pip does: where PYTHONDONTWRITEBYTECODE is set (CI's machines),
+# every process would otherwise compile torch and transformers again as it imports them.
 UV_VENV    := .venv-uv
 UV         := $(UV_VENV)/bin/uv
 UV_VERSION := 0.13.10
 FIND_LINKS ?= $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
-UV_INSTALL  = $(UV) pip install --quiet $(foreach links,$(FIND_LINKS),--find-links $(links)) --python
+UV_INSTALL  = $(UV) pip install --quiet --compile-bytecode $(foreach links,$(FIND_LINKS),--find-links $(links)) --python
 
 .PHONY: run test test-312 lint typecheck check openapi bench bench-compare clean
 
