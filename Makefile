@@ -19,14 +19,16 @@ TINKER_STAMP := $(TINKER_VENV)/.installed
 # packages (checked against pip's, environment by environment) in about a tenth of the
 # time (NAT's: 14 s against 120 s here). It comes from PyPI, pinned, into a venv of its
 # own. Wheels this machine keeps on disk (pip's find-links: the CPU build of torch) are
-# given to uv too; without them torch==2.13.0 would be PyPI's CUDA build. Bytecode is
-# compiled at install, as pip does: where PYTHONDONTWRITEBYTECODE is set (CI's machines),
-# every process would otherwise compile torch and transformers again as it imports them.
+# given to uv too; without them torch==2.13.0 would be PyPI's CUDA build. uv compiles no
+# bytecode at install (pip does: all of it, most never imported; 173 s for the five
+# environments with `--compile-bytecode`, against 35 s): Python writes it on first import,
+# which the test targets let it do where PYTHONDONTWRITEBYTECODE is set (CI's machines), or
+# every process there would compile torch and transformers again as it imports them.
 UV_VENV    := .venv-uv
 UV         := $(UV_VENV)/bin/uv
 UV_VERSION := 0.13.10
 FIND_LINKS ?= $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
-UV_INSTALL  = $(UV) pip install --quiet --compile-bytecode $(foreach links,$(FIND_LINKS),--find-links $(links)) --python
+UV_INSTALL  = $(UV) pip install --quiet $(foreach links,$(FIND_LINKS),--find-links $(links)) --python
 
 .PHONY: run test test-312 lint typecheck check openapi bench bench-compare clean
 
@@ -93,7 +95,7 @@ run: $(STAMP)
 ## Run the whole test suite (SQLite; also Postgres when TRAINYARD_TEST_DATABASE_URL is set),
 ## with the environments the ART 0.5.23 and `nat finetune` tests run.
 test: $(STAMP) $(ART_STAMP) $(NAT_STAMP) $(SKY_STAMP) $(TINKER_STAMP)
-	$(BIN)/pytest -q $(PYTEST_ARGS)
+	env -u PYTHONDONTWRITEBYTECODE $(BIN)/pytest -q $(PYTEST_ARGS)
 
 ## The suite again on Python 3.12 with openpipe-art 0.5.23 (.venv-art), on SQLite only. It
 ## has no torch: the tests marked `torch` are skipped, and the summary names each of them.
@@ -110,7 +112,7 @@ PY312_DESELECT := tests/test_schema_fuzz.py tests/test_large_bodies.py tests/tes
 	tests/test_serving.py tests/test_k8s.py tests/test_skypilot.py tests/test_attacks.py \
 	tests/test_faults.py::test_trainer_outage_under_load_retries_every_job_and_trains_each_once
 test-312: $(ART_STAMP) $(NAT_STAMP) $(SKY_STAMP)
-	env -u TRAINYARD_TEST_DATABASE_URL .venv-art/bin/pytest -q \
+	env -u TRAINYARD_TEST_DATABASE_URL -u PYTHONDONTWRITEBYTECODE .venv-art/bin/pytest -q \
 		$(addprefix --deselect ,$(PY312_DESELECT)) $(PYTEST_ARGS)
 
 lint: $(STAMP)
