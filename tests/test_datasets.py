@@ -235,7 +235,13 @@ async def test_a_runs_inline_examples_are_checked_as_a_datasets_lines(
         response = await live.client.post("/v1/runs", json=body)
         assert response.status_code == 422, response.text
         paths = [e["path"] for e in response.json()["errors"]]
-        assert paths == ["examples[1].split", "examples[3].id", "examples[4].messages"]
+        # The repeated id (the service's check) is listed after the schema's errors.
+        assert paths == [
+            "examples[1].split",
+            "examples[3].id",
+            "examples[4].messages",
+            "examples[2].id",
+        ]
         del examples[4], examples[3], examples[1]
         twice = await live.client.post("/v1/runs", json=body)
         assert twice.status_code == 422, twice.text
