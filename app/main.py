@@ -213,9 +213,9 @@ def _document_problems(app: FastAPI, reading_order: list[APIRouter], open_paths:
                 schema["components"]["securitySchemes"] = {"HTTPBearer": BEARER_SCHEME}
             validation = problem_responses(422)[422]
             # Statuses the app-wide handlers send from any route: 413 from the body limit
-            # (for operations that take a body), 415 for a JSON body sent as another type,
-            # 503 with Retry-After when the database or a dependency is down (routes that
-            # do I/O). Listed, so that generated clients
+            # (for operations that take a body), 415 for a body sent as another type than
+            # JSON (bodies `read_json` reads), 503 with Retry-After when the database or a
+            # dependency is down (routes that do I/O). Listed, so that generated clients
             # parse them as problems rather than leave them unparsed.
             too_large, not_json, unavailable = problem_responses(413, 415, 503).values()
             for name, path in schema.get("paths", {}).items():
@@ -225,7 +225,7 @@ def _document_problems(app: FastAPI, reading_order: list[APIRouter], open_paths:
                         responses["422"] = validation
                     if "requestBody" in operation:
                         responses.setdefault("413", too_large)
-                    if "application/json" in operation.get("requestBody", {}).get("content", {}):
+                    if _read_by_read_json(operation):
                         responses.setdefault("415", not_json)
                     if name not in _NO_IO:
                         responses.setdefault("503", unavailable)
@@ -233,6 +233,16 @@ def _document_problems(app: FastAPI, reading_order: list[APIRouter], open_paths:
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _read_by_read_json(operation: dict[str, Any]) -> bool:
+    """Whether the operation's body is one `app.api.body.read_json` reads (a model of
+    `BODY_MODELS`, or one of several): those refuse another type than JSON with a 415."""
+    content = operation.get("requestBody", {}).get("content", {}).get("application/json", {})
+    schema = content.get("schema", {})
+    refs = [schema.get("$ref", "")] + [s.get("$ref", "") for s in schema.get("oneOf", [])]
+    names = {f"#/components/schemas/{model.__name__}" for model in BODY_MODELS}
+    return any(ref in names for ref in refs)
 
 
 BEARER_SCHEME = {
