@@ -129,12 +129,15 @@ def create_app(
         metrics_keys=settings.metrics_keys,
     )
     app.middleware("http")(app.state.metrics.middleware)
-    # A request is matched against the routers in this order, and each router passed costs
-    # ~20 µs here: what is called most comes first (probes; the model endpoint, once per
-    # sampled answer; jobs and runs, which agent services poll), pages for a browser last.
+    # A request is matched against the routers in this order, each route passed costing a
+    # path match (~4 µs here; a request to the last router passed ~110 routes, 0.4 ms):
+    # what is called most comes first (probes; the model endpoint, once per sampled
+    # answer; the Tinker SDK, twice per operation; jobs and runs, which agent services
+    # poll), pages for a browser last.
     for router in [
         health.router,
         gateway.router,
+        tinker.router,
         training_jobs.router,
         rollout_jobs.router,
         evaluation_jobs.router,
@@ -150,7 +153,6 @@ def create_app(
         projects.audit_router,
         usage.router,
         docs.router(app),
-        tinker.router,
         dashboard.router(),
     ]:
         app.include_router(router)

@@ -62,6 +62,43 @@ def future(request_id: str, model_id: str | None = None) -> dict[str, Any]:
     return {"request_id": request_id, "model_id": model_id}
 
 
+# Routes are matched in the order they are defined here, each one passed costing a
+# path match: what an RL loop calls most (a sample, and the future of every operation)
+# comes first.
+@router.post("/asample", response_model=None)
+async def asample(request: Request) -> dict[str, Any] | JSONResponse:
+    try:
+        return await service(request).asample(await json_body(request), who(request))
+    except TinkerError as exc:
+        return refused(request, exc)
+
+
+@router.post("/retrieve_future", response_model=None)
+async def retrieve_future(request: Request) -> Response:
+    tinker = service(request)
+    try:
+        request_id = str((await json_body(request)).get("request_id", ""))
+    except TinkerError as exc:
+        return refused(request, exc)
+    try:
+        result = await tinker.retrieve(request_id, who(request))
+    except KeyError:
+        # 410: the SDK's "promise expired" (neither this process nor the journal knows it).
+        return problem_response(
+            410, "Gone", f"request_id: no future {request_id!r}", request=request
+        )
+    except TinkerError as exc:
+        return refused(request, exc)
+    if result is None:
+        body = {"type": "try_again", "request_id": request_id, "queue_state": "active"}
+        return JSONResponse(body, status_code=408)
+    if result.error is not None:
+        return JSONResponse({"error": result.error, "category": result.category})
+    if result.proto is not None:
+        return Response(result.proto, media_type=PROTOBUF)
+    return JSONResponse(result.json)
+
+
 @router.post("/client/config")
 async def client_config() -> dict[str, Any]:
     # httpx's own transport, no compressed bodies, one poll per future, losses run here.
@@ -197,40 +234,6 @@ async def get_sampler(request: Request, sampler_id: str) -> dict[str, Any] | JSO
         "base_model": sampler.base_model,
         "model_path": sampler.model_path,
     }
-
-
-@router.post("/asample", response_model=None)
-async def asample(request: Request) -> dict[str, Any] | JSONResponse:
-    try:
-        return await service(request).asample(await json_body(request), who(request))
-    except TinkerError as exc:
-        return refused(request, exc)
-
-
-@router.post("/retrieve_future", response_model=None)
-async def retrieve_future(request: Request) -> Response:
-    tinker = service(request)
-    try:
-        request_id = str((await json_body(request)).get("request_id", ""))
-    except TinkerError as exc:
-        return refused(request, exc)
-    try:
-        result = await tinker.retrieve(request_id, who(request))
-    except KeyError:
-        # 410: the SDK's "promise expired" (neither this process nor the journal knows it).
-        return problem_response(
-            410, "Gone", f"request_id: no future {request_id!r}", request=request
-        )
-    except TinkerError as exc:
-        return refused(request, exc)
-    if result is None:
-        body = {"type": "try_again", "request_id": request_id, "queue_state": "active"}
-        return JSONResponse(body, status_code=408)
-    if result.error is not None:
-        return JSONResponse({"error": result.error, "category": result.category})
-    if result.proto is not None:
-        return Response(result.proto, media_type=PROTOBUF)
-    return JSONResponse(result.json)
 
 
 @router.get("/training_runs", response_model=None)
