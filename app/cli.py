@@ -230,6 +230,7 @@ def serve_pool(
         base_model,
         Storage(settings),
         Admission(settings.serving_max_tokens, settings.serving_retry_after_seconds),
+        threads=settings.cpu_threads,
     )
     pool.policy(None)  # the base model loads before the pool listens
     config = uvicorn.Config(

@@ -233,6 +233,12 @@ class Settings(BaseSettings):
         "sees, else the CPU), `cpu`, `cuda` or `cuda:N`. The same trainer and server run on a "
         "GPU worker.",
     )
+    cpu_threads: int | None = Field(
+        default=None,
+        ge=1,
+        description="Torch's threads for the cpu backend's models, in each process (server, "
+        "worker, serving pool): unset, every CPU the process may run on but one.",
+    )
     checkpoint_url: str | None = Field(
         default=None,
         description="Where the cpu and dry-run backends keep checkpoints. Empty: under "
@@ -471,6 +477,7 @@ class Settings(BaseSettings):
         "checkpoint_s3_region",
         "checkpoint_s3_access_key_id",
         "checkpoint_s3_secret_access_key",
+        "cpu_threads",
         mode="before",
     )
     @classmethod

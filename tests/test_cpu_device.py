@@ -1,14 +1,18 @@
 """The cpu backend's device: `auto` takes CUDA where torch sees it, the CPU here; a CUDA
 device named where there is none is refused with the setting's name; a bad value is
-refused at start. (The CUDA path itself runs on a lent GPU: scripts/gpu_smoke.py.)"""
+refused at start. (The CUDA path itself runs on a lent GPU: scripts/gpu_smoke.py.) Its
+torch threads: TRAINYARD_CPU_THREADS, else every CPU but one, wherever a policy is made."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
+from app.backends.admission import Admission
 from app.settings import Settings
 
 pytestmark = pytest.mark.torch
@@ -32,6 +36,59 @@ def test_auto_is_the_cpu_where_torch_sees_no_gpu_and_cuda_there_is_refused() -> 
 def test_a_device_setting_it_cannot_use_is_refused_at_start(value: str) -> None:
     with pytest.raises(ValidationError, match="cpu_device"):
         Settings(cpu_device=value)
+
+
+@pytest.mark.parametrize("value", [0, -1, "many"])
+def test_a_thread_count_it_cannot_use_is_refused_at_start(value: object) -> None:
+    with pytest.raises(ValidationError, match="cpu_threads"):
+        Settings(cpu_threads=value)
+
+
+@pytest.fixture
+def torch_threads() -> Iterator[None]:
+    """Torch's thread count is the process's: put back what the suite had."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.usefixtures("torch_threads")
+def test_torch_takes_every_cpu_but_one_unless_the_setting_says(tmp_path: Path) -> None:
+    import torch
+
+    from app.backends.cpu_policy import Policy, default_threads, use_threads
+    from app.backends.lora_pool import AdapterPool
+    from app.backends.storage import Storage
+    from app.backends.tiny_model import make_tiny_model
+    from app.tinker.service import TinkerService
+    from app.tinker.spec import Lora
+
+    assert default_threads() == max(1, len(os.sched_getaffinity(0)) - 1)
+    torch.set_num_threads(3)
+    use_threads(None)
+    assert torch.get_num_threads() == default_threads()
+
+    base = make_tiny_model(tmp_path / "tiny")
+    Policy(str(base), rank=2, alpha=4, seed=1, threads=3)
+    assert torch.get_num_threads() == 3
+    # Each place that makes a policy from the settings: a Tinker run, a serving pool.
+    settings = Settings(data_dir=tmp_path / "data", cpu_threads=2)
+    TinkerService(settings, None, None)._load_policy(str(base), Lora(rank=2, seed=0))  # type: ignore[arg-type]
+    assert torch.get_num_threads() == 2
+    torch.set_num_threads(3)
+    pool = AdapterPool(str(base), Storage(settings), Admission(), threads=settings.cpu_threads)
+    pool.policy(None)
+    assert torch.get_num_threads() == 2
+
+
+def test_the_cpu_backend_takes_its_threads_from_the_settings(tmp_path: Path) -> None:
+    from app.backends import SPECS
+
+    settings = Settings(data_dir=tmp_path, cpu_threads=2)
+    assert SPECS["cpu"].create(settings).threads == 2  # type: ignore[attr-defined]
+    assert SPECS["cpu"].create(Settings(data_dir=tmp_path)).threads is None  # type: ignore[attr-defined]
 
 
 def test_a_policy_samples_and_trains_on_the_device_it_was_given(tmp_path: Path) -> None:

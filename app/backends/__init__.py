@@ -67,6 +67,7 @@ def _cpu(settings: Settings) -> CpuBackend:
         port=settings.cpu_inference_port,
         admission=Admission(settings.serving_max_tokens, settings.serving_retry_after_seconds),
         device=settings.cpu_device,
+        threads=settings.cpu_threads,
     )
 
 

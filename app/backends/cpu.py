@@ -151,12 +151,14 @@ class CpuBackend(CheckpointDirs):
         port: int = 0,
         admission: Admission | None = None,
         device: str = "cpu",
+        threads: int | None = None,
     ) -> None:
         super().__init__(path, shelf=shelf)
         self.admission = admission or Admission()
         self.host, self.port = host, port
         self.model_roots = list(model_roots)
         self.device = device  # where its models run: `cpu`, `cuda[:N]`, or `auto`
+        self.threads = threads  # torch's threads (None: `cpu_policy.default_threads`)
         self._policies: dict[str, Any] = {}
         self._server: Any = None
 
@@ -199,6 +201,7 @@ class CpuBackend(CheckpointDirs):
             alpha=config.lora_alpha,
             seed=config.seed,
             device=self.device,
+            threads=self.threads,
             **({"target_modules": config.target_modules} if config.target_modules else {}),
         )
         if not self.sync(model, policy):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -92,7 +93,9 @@ class Policy:
         seed: int,
         device: str = "cpu",
         target_modules: Sequence[str] = TARGET_MODULES,
+        threads: int | None = None,
     ) -> None:
+        use_threads(threads)
         self.device = torch.device(resolve_device(device))
         self.tokenizer = AutoTokenizer.from_pretrained(base_model, local_files_only=True)
         base = AutoModelForCausalLM.from_pretrained(base_model, local_files_only=True)
@@ -469,6 +472,24 @@ class Policy:
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate
         return self.optimizer
+
+
+def default_threads() -> int:
+    """Torch's threads where `TRAINYARD_CPU_THREADS` is not set: every CPU this process may
+    run on but one, which the event loop, the database and the other processes keep."""
+    return max(1, len(os.sched_getaffinity(0)) - 1)
+
+
+def use_threads(threads: int | None) -> None:
+    """Set the process's torch intra-op threads (None: `default_threads`). Torch's default,
+    a thread per core, makes each operator wait at a barrier for its slowest thread, and on
+    a machine whose cores are busy with anything else (the server's own event loop
+    answering a poll, a client beside it) that thread is often descheduled: on the 2-core
+    machine, a Tinker `forward_backward` took 332 ms with two threads against 77 ms with
+    one (`bench/README.md`). Process-wide; set again only when it changes."""
+    wanted = threads or default_threads()
+    if torch.get_num_threads() != wanted:
+        torch.set_num_threads(wanted)
 
 
 def resolve_device(device: str) -> str:

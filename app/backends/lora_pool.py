@@ -41,8 +41,15 @@ class Adapter:
 
 
 class AdapterPool:
-    def __init__(self, base_model: str, storage: Storage, admission: Admission) -> None:
+    def __init__(
+        self,
+        base_model: str,
+        storage: Storage,
+        admission: Admission,
+        threads: int | None = None,
+    ) -> None:
         self.base_model = base_model
+        self.threads = threads  # torch's threads (None: `cpu_policy.default_threads`)
         self.storage = storage
         self.admission = admission
         self.adapters: dict[str, Adapter] = {}
@@ -117,7 +124,9 @@ class AdapterPool:
 
                 rank, alpha = key or (8, 16)
                 # A fresh adapter is the base model (LoRA's B starts at zero).
-                policy = Policy(self.base_model, rank=rank, alpha=alpha, seed=0)
+                policy = Policy(
+                    self.base_model, rank=rank, alpha=alpha, seed=0, threads=self.threads
+                )
                 self._policies[key] = policy
             return policy
 

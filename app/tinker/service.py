@@ -303,9 +303,7 @@ class TinkerService:
                 raise TinkerError(400, f"model_seq_id: {exc.detail}") from exc
             await session.commit()
         if model_id not in self.runs:
-            policy = await asyncio.to_thread(
-                _trainer().load_policy, base_dir, lora, self.settings.cpu_device
-            )
+            policy = await asyncio.to_thread(self._load_policy, base_dir, lora)
             self.runs[model_id] = Run(
                 model_id, name, base_model, base_dir, lora, policy, vocab_size(policy), project_id
             )
@@ -344,9 +342,7 @@ class TinkerService:
         if row is None or row.project != PROJECT or ":train:" not in model_id:
             raise TinkerError(404, f"model_id: no training run {model_id!r}")
         lora = lora_of(row)
-        policy = await asyncio.to_thread(
-            _trainer().load_policy, row.base_model, lora, self.settings.cpu_device
-        )
+        policy = await asyncio.to_thread(self._load_policy, row.base_model, lora)
         run = Run(
             model_id,
             name,
@@ -793,7 +789,7 @@ class TinkerService:
         async with self._base_lock:
             if row.name not in self._base_policies:
                 self._base_policies[row.name] = await asyncio.to_thread(
-                    _trainer().load_policy, row.base_model, lora_of(row), self.settings.cpu_device
+                    self._load_policy, row.base_model, lora_of(row)
                 )
             return self._base_policies[row.name]
 
@@ -845,13 +841,19 @@ class TinkerService:
         base_model, source = await self._from_path(row.model_path, "sampling_session_id")
         return self._add_sampler(Sampler(sampler_id, base_model, row.model_path, **source))
 
+    def _load_policy(self, base_dir: str, lora: spec.Lora) -> Any:
+        """A policy of `base_dir` with a fresh adapter, where and as the settings say (in a
+        thread: it reads the model's files)."""
+        settings = self.settings
+        return _trainer().load_policy(base_dir, lora, settings.cpu_device, settings.cpu_threads)
+
     async def _base_policy(self, base_model: str) -> Any:
         async with self._base_lock:
             if base_model not in self._base_policies:
                 base_dir, _ = await self.resolve_base(base_model)
                 lora = spec.Lora(rank=1, seed=0)
                 self._base_policies[base_model] = await asyncio.to_thread(
-                    _trainer().load_policy, base_dir, lora, self.settings.cpu_device
+                    self._load_policy, base_dir, lora
                 )
             return self._base_policies[base_model]
 

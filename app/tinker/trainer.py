@@ -34,7 +34,7 @@ from app.tinker.wire import MASK_LOGPROB, Datum, OutTensor, SampleAnswer, TopK
 from app.tinker.wire import Sequence as Sampled
 
 
-def load_policy(base_dir: str, lora: Lora, device: str) -> Policy:
+def load_policy(base_dir: str, lora: Lora, device: str, threads: int | None = None) -> Policy:
     return Policy(
         base_dir,
         rank=lora.rank,
@@ -42,6 +42,7 @@ def load_policy(base_dir: str, lora: Lora, device: str) -> Policy:
         seed=lora.seed,
         device=device,
         target_modules=lora.targets,
+        threads=threads,
     )
 
 
