@@ -428,8 +428,11 @@ class TinkerService:
     async def _do(self, run: Run, request_id: str, kind: str, body: bytes) -> Result:
         async with run.lock:
             result, step, path = await self._execute(run, kind, body)
-            await journal.finish(self.sessions, request_id, result, step=step, path=path)
-            return result
+        # Written after the lock: the run's next operation runs meanwhile. The answer is
+        # given once it is written; the order answers are written in does not matter (a
+        # replay does every operation over in the order it was accepted, done or not).
+        await journal.finish(self.sessions, request_id, result, step=step, path=path)
+        return result
 
     async def _stored(self, request_id: str) -> Result:
         """An operation accepted before whose future this process no longer holds: its
