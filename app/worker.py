@@ -228,7 +228,8 @@ class Worker:
         returns once the transaction commits. `slots` None (`RunDriver.advance`): this
         worker's free slots, counted under `_filling`, which the caller holds. `slots=1`
         (`JoinedMove`, in a child's final write): the slot the child frees, which no
-        other claim counts as free while the child's task lasts."""
+        other claim counts as free while the child's task lasts, in one look (a collision
+        with another worker's claim fails the move, and the child's write is made alone)."""
         free = self.settings.worker_concurrency - len(self.tasks) if slots is None else slots
         if free <= 0 or self._stopping.is_set():
             return []
@@ -238,6 +239,7 @@ class Worker:
             lease_seconds=self.settings.lease_seconds,
             limit=free,
             capabilities=self.capabilities,
+            retry=slots is None,
         )
 
     async def _process(self, claim: Claim) -> None:

@@ -3,11 +3,14 @@ whatever the dialect, the same calls leave the same rows and events."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import pytest
-from sqlalchemy import Interval, func, insert, select, type_coerce, update
+from sqlalchemy import Interval, func, insert, select, text, type_coerce, update
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from app.db import utcnow, write_connection
@@ -160,6 +163,57 @@ async def test_a_claim_inside_a_write_holds_only_if_it_commits(store: QueueStore
     )
     assert [t for _, t, _ in await _events(store, queued.id)] == ["job_queued", "job_claimed"]
     assert await _claim(store) == []
+
+
+@pytest.mark.parametrize("retry", [True, False], ids=["retried", "once"])
+async def test_a_claim_that_collides_in_a_transaction_looks_again_or_raises(
+    store: QueueStore, retry: bool
+) -> None:
+    """A claim collides where another worker's claim of the same model commits after the
+    look's snapshot (Postgres; here another transaction sets the model's first job
+    running and commits while the look waits on it). `claim_in` looks again in a
+    savepoint and finds nothing left; `retry=False` (a run's joined move: no savepoint,
+    two round trips fewer) raises, and its caller's transaction is rolled back."""
+    if not isinstance(store, PostgresStore):
+        pytest.skip("SQLite: the caller's BEGIN IMMEDIATE holds the file, no claim collides")
+    await _model(store, "a")
+    one, two = _new_job("a"), _new_job("a")
+    async with write_connection(store.engine) as conn:
+        await enqueue(conn, one)
+        await enqueue(conn, two)
+
+    async def other() -> list[Claim]:
+        async with write_connection(store.engine) as conn:
+            return await store.claim_in(conn, owner="w2", lease_seconds=30, retry=retry)
+
+    async with write_connection(store.engine) as conn:
+        running = update(jobs).where(jobs.c.id == one.id).values(status="running")
+        await conn.execute(running)
+        task = asyncio.create_task(other())
+        await _waits_on_a_lock(store, task)  # w2 took `two`, and waits on `one`'s row
+    if retry:
+        assert await task == []
+    else:
+        with pytest.raises(IntegrityError):
+            await task
+    assert [(await _row(store, job.id)).status for job in (one, two)] == ["running", "queued"]
+
+
+async def _waits_on_a_lock(store: QueueStore, task: asyncio.Task[Any]) -> None:
+    """Until some backend of this database waits on a lock (the deadline only ends a test
+    that would otherwise hang)."""
+    deadline = asyncio.get_running_loop().time() + 60
+    query = text(
+        "SELECT count(*) FROM pg_stat_activity "
+        "WHERE datname = current_database() AND wait_event_type = 'Lock'"
+    )
+    while not task.done():
+        async with store.engine.connect() as conn:
+            if await conn.scalar(query):
+                return
+        assert asyncio.get_running_loop().time() < deadline, "the second claim never waited"
+        await asyncio.sleep(0.01)
+    task.result()  # it ended without waiting: say why
 
 
 class _Joined:

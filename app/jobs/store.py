@@ -340,9 +340,13 @@ class QueueStore(ABC):
         lease_seconds: float,
         limit: int = 1,
         capabilities: Capabilities | None = None,
+        retry: bool = True,
     ) -> list[Claim]:
         """`claim` inside the caller's open write transaction (a run's move claims the
-        children it queues in its own): the claims hold once it commits."""
+        children it queues in its own): the claims hold once it commits. `retry` False:
+        one look, where a collision with another worker's claim raises IntegrityError and
+        aborts the caller's transaction (Postgres: no savepoint, two round trips fewer;
+        `JoinedMove`'s write is then made again without the move)."""
 
     async def heartbeat(
         self,
@@ -640,6 +644,7 @@ class SqliteStore(QueueStore):
         lease_seconds: float,
         limit: int = 1,
         capabilities: Capabilities | None = None,
+        retry: bool = True,
     ) -> list[Claim]:
         # The caller's BEGIN IMMEDIATE holds the file's write lock: no claim can collide.
         return await self._claim_once(
@@ -791,11 +796,14 @@ class PostgresStore(QueueStore):
         lease_seconds: float,
         limit: int = 1,
         capabilities: Capabilities | None = None,
+        retry: bool = True,
     ) -> list[Claim]:
         """`claim`'s looks, each in a savepoint of the caller's transaction (a capped
-        project's row stays locked until it commits)."""
+        project's row stays locked until it commits); `retry` False: one look, in none."""
         statement = await self._claim_statement(capabilities)
         fit = _postgres_fit(capabilities)
+        if not retry:
+            return await self._looks(conn, statement, owner, lease_seconds, limit, fit, once=True)
         return await self._looks(conn, statement, owner, lease_seconds, limit, fit, savepoints=True)
 
     async def _claim_statement(self, capabilities: Capabilities | None) -> Any:
@@ -814,10 +822,12 @@ class PostgresStore(QueueStore):
         fit: dict[str, Any],
         *,
         savepoints: bool = False,
+        once: bool = False,
     ) -> list[Claim]:
         """Claim statements until `limit` jobs are claimed or none is left. `savepoints`:
         `conn` is in a transaction, and each look runs in a savepoint, so a look that
-        collides leaves what earlier looks claimed."""
+        collides leaves what earlier looks claimed. `once`: one look, whose collision
+        raises."""
         claims: list[Claim] = []
         collisions = 0
         while len(claims) < limit:
@@ -838,6 +848,8 @@ class PostgresStore(QueueStore):
                 else:
                     rows = (await conn.execute(statement, params)).all()
             except IntegrityError:
+                if once:
+                    raise
                 collisions += 1  # as in SqliteStore: another worker, same model
                 if collisions == CLAIM_COLLISIONS:
                     break
@@ -846,7 +858,7 @@ class PostgresStore(QueueStore):
                 claims.append(
                     _claim(row, row, token=row.lease_token, owner=owner, start_step=row.start_step)
                 )
-            if not rows or rows[0].candidates < wanted * 4:
+            if once or not rows or rows[0].candidates < wanted * 4:
                 break  # every eligible job was seen (see `SqliteStore._claim_once`)
         return claims
 

@@ -44,7 +44,7 @@ from app.jobs.lifecycle import (
     run_status,
 )
 from app.jobs.payloads import Payload
-from app.jobs.runs import apply_move, lock_run, model_step, write_move
+from app.jobs.runs import apply_move, model_step, write_move
 from app.jobs.statements import jobs
 from app.jobs.store import Claim, LeftOut, QueueStore, new_job
 from app.models import RunMetricRow, RunRow
@@ -202,10 +202,12 @@ class RunDriver:
         """Whether this process has read the run's spec (`_load`)."""
         return run_id in self._loaded
 
-    async def _decide(self, conn: AsyncConnection, run_id: str) -> _Decided | None:
-        """Read the run and the children its state names, and decide (`decide`, pure);
-        None where there is nothing to write (the run has ended, or nothing changed)."""
-        run = (await conn.execute(_RUN, {"run_id": run_id})).one()
+    async def _decide(self, conn: AsyncConnection, run_id: str, run: Any = None) -> _Decided | None:
+        """Read the run (unless `run`: its `_RUN` row, read in this transaction) and the
+        children its state names, and decide (`decide`, pure); None where there is
+        nothing to write (the run has ended, or nothing changed)."""
+        if run is None:
+            run = (await conn.execute(_RUN, {"run_id": run_id})).one()
         if JobStatus(run.status).is_final:
             return None
         loaded = await self._load(conn, run_id)
@@ -458,9 +460,12 @@ class JoinedMove:
         self.settled = False  # the run needs no advance after the write (but `again`)
         self.again = False  # another move may follow at once (see `RunDriver._move`)
         self.claimed = 0  # jobs claimed into the slot the child frees
+        self._run: Any = None  # the run's `_RUN` row, read as it was locked
 
     async def lock(self, conn: AsyncConnection) -> None:
-        await lock_run(conn, self.run_id)
+        """Lock the run's job row (as `lock_run`), reading what `_decide` reads of the run
+        in the same statement: a round trip fewer on Postgres."""
+        self._run = (await conn.execute(_RUN_LOCKED, {"run_id": self.run_id})).one()
 
     async def then(self, conn: AsyncConnection) -> Callable[[], None]:
         self.settled, self.again, self.claimed = False, False, 0
@@ -473,7 +478,7 @@ class JoinedMove:
             first = queues_next(self.job_id)
             if first:
                 taken = await self.claimer.claim_in(conn, slots=1)
-            decided = await self.driver._decide(conn, self.run_id)
+            decided = await self.driver._decide(conn, self.run_id, self._run)
             if decided is not None:
                 if decided.ends_pruning:  # pruned before the run's end is written: after
                     raise LeftOut("the run ends: its checkpoints are pruned first")
@@ -534,6 +539,8 @@ _RUN = (
     .join(runs, runs.c.id == jobs.c.id)
     .where(jobs.c.id == bindparam("run_id"))
 )
+# The run's job row locked, as `lock_run` locks it (not its `runs` row).
+_RUN_LOCKED = _RUN.with_for_update(of=jobs)
 _CHILD_COLUMNS = (
     jobs.c.id,
     jobs.c.status,
