@@ -22,8 +22,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +48,9 @@ pytestmark = [
 S3_KEY = "test"  # moto takes any key
 PROMPT = [{"role": "user", "content": "say yes"}]
 JOBS = {"alpha": 3, "beta": 3, "gamma": 2}  # training jobs per model
+# Copies of the sampled group in a default-pool job: each trains long enough (a step over
+# 128 answers) that a look every 10 ms sees its worker mid-step on any machine, fast or busy.
+WIDE = 16
 DEFAULT_MODELS = ("alpha", "beta")  # pool `default`; gamma is in pool `gpu`
 
 
@@ -145,13 +147,13 @@ class Fleet:
             stop(process)
 
 
-@asynccontextmanager
-async def stopped_when(
+async def stop_in(
     process: subprocess.Popen[bytes], condition: Callable[[], Awaitable[bool]], *, what: str
-) -> AsyncIterator[None]:
-    """Enter with `process` stopped (SIGSTOP) in a state where `condition` holds: read
-    while it runs, then again once it is stopped, so what the caller does lands in that
-    state however busy the machine. It continues (SIGCONT) on exit."""
+) -> None:
+    """Stop `process` (SIGSTOP) in a state where `condition` holds: read while it runs,
+    then again once it is stopped, so what the caller does next lands in that state however
+    busy the machine. Start it before the work that gets there: a worker whose jobs all end
+    before the first look is never seen in them. The caller continues it (SIGCONT)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 180
     while True:
@@ -159,14 +161,10 @@ async def stopped_when(
         assert loop.time() < deadline, f"timed out waiting for {what}"
         if await condition():
             process.send_signal(signal.SIGSTOP)
-            try:
-                await asyncio.sleep(0.05)  # what it sent before it stopped is written
-                if await condition():
-                    yield
-                    return
-            finally:
-                if process.poll() is None:
-                    process.send_signal(signal.SIGCONT)
+            await asyncio.sleep(0.05)  # what it sent before it stopped is written
+            if await condition():
+                return
+            process.send_signal(signal.SIGCONT)
         await asyncio.sleep(0.01)
 
 
@@ -247,37 +245,48 @@ async def _run(
         await _model(client, name, base)
     await _model(client, "gamma", base, pool="gpu", labels={"gpu": "h200"})
     groups = await _groups(fleet.pool_url, base, pool)
+    workers = {name: await _registered(client, p) for name, p in (("a", first), ("b", second))}
+    # Watched from before its jobs are submitted: on a fast machine they all end quickly.
+    killed = MidStep(engine, workers["a"]["id"])
+    stopping = asyncio.create_task(stop_in(first, killed.seen, what="worker a mid-step"))
     jobs: dict[str, list[str]] = {name: [] for name in JOBS}
     for i in range(max(JOBS.values())):  # interleaved: each model's queue has work at once
         for name, count in JOBS.items():
             if i < count:
-                jobs[name].append(await _submit(client, name, groups))
+                wide = groups if name == "gamma" else groups * WIDE
+                jobs[name].append(await _submit(client, name, wide))
 
     # The gpu model waits, and says why, until a worker of its pool with its label starts.
     for job_id in jobs["gamma"]:
         assert await _waiting(client, job_id) == "no live worker in pool `gpu`"
     gpu = fleet.worker("g", "gpu", "gpu=h200", "zone=a")
-    workers = {name: await _registered(client, p) for name, p in (("a", first), ("b", second))}
 
     # kill -9 one default worker mid-step; the test plays its lease time forward.
-    killed = MidStep(engine, workers["a"]["id"])
-    async with stopped_when(first, killed.seen, what="worker a mid-step"):
-        first.send_signal(signal.SIGKILL)
-        first.wait(10)
-    await play_forward(engine, workers["a"]["id"])
-
+    await stopping
+    first.send_signal(signal.SIGKILL)
+    first.wait(10)
     # Drain the other mid-step: SIGTERM lands while it trains; it finishes or hands back
-    # that job, claims nothing more, and exits 0.
+    # that job, claims nothing more, and exits 0. Its work after the kill: the killed job
+    # once its lease has lapsed, and one more job (it may have ended all the others).
     drained = MidStep(engine, workers["b"]["id"])
-    async with stopped_when(second, drained.seen, what="worker b mid-step"):
-        second.send_signal(signal.SIGTERM)
+    draining = asyncio.create_task(stop_in(second, drained.seen, what="worker b mid-step"))
+    await play_forward(engine, workers["a"]["id"])
+    jobs["beta"].append(await _submit(client, "beta", groups * WIDE))
+    await draining
+    second.send_signal(signal.SIGTERM)
+    second.send_signal(signal.SIGCONT)
     assert await asyncio.to_thread(second.wait, 120) == 0
     listed = {w["id"] for w in (await client.get("/v1/workers")).json()}
     assert not listed & {workers["a"]["id"], workers["b"]["id"]}
 
     # No live default worker now: its queued jobs say so, a new one too; then one starts.
     jobs["alpha"].append(await _submit(client, "alpha", groups))
-    assert await _waiting(client, jobs["alpha"][-1]) == "no live worker in pool `default`"
+
+    async def says_none_is_live() -> bool:
+        return await _waiting(client, jobs["alpha"][-1]) == "no live worker in pool `default`"
+
+    # The API reads the live workers at most once a second (`LIVE_WORKERS_TTL`).
+    await until(says_none_is_live, 60, "the new job to say no default worker is live")
     for name in DEFAULT_MODELS:
         for job_id in jobs[name]:
             job = (await client.get(f"/v1/training-jobs/{job_id}")).json()
