@@ -52,8 +52,8 @@ async def accept(
     """Write the operation as accepted, next in its run's order. False: it was accepted
     before (the SDK sent it again). The caller holds the run's accepting lock, so the
     next `seq` is not taken meanwhile by this process. One statement: the run's next
-    `seq` read in the insert itself, which inserts nothing where the id exists (three
-    statements and the ORM's flush took a Tinker step's SDK call ~2.4 ms on SQLite)."""
+    `seq` read in the insert itself, which inserts nothing where the id exists (where a
+    read of the row, a read of the run's last `seq` and the ORM's insert took three)."""
     async with sessions() as session:
         # A writing transaction from the start (SQLite: BEGIN IMMEDIATE): begun as a
         # reader, a write failed at once with "database is locked" whenever another write
