@@ -237,7 +237,8 @@ class Settings(BaseSettings):
         default=None,
         ge=1,
         description="Torch's threads for the cpu backend's models, in each process (server, "
-        "worker, serving pool): unset, every CPU the process may run on but one.",
+        "worker, serving pool): unset, every CPU the process may use (those it may run on, "
+        "capped by its container's CPU limit) but one.",
     )
     checkpoint_url: str | None = Field(
         default=None,

@@ -58,14 +58,14 @@ def torch_threads() -> Iterator[None]:
 def test_torch_takes_every_cpu_but_one_unless_the_setting_says(tmp_path: Path) -> None:
     import torch
 
-    from app.backends.cpu_policy import Policy, default_threads, use_threads
+    from app.backends.cpu_policy import Policy, available_cpus, default_threads, use_threads
     from app.backends.lora_pool import AdapterPool
     from app.backends.storage import Storage
     from app.backends.tiny_model import make_tiny_model
     from app.tinker.service import TinkerService
     from app.tinker.spec import Lora
 
-    assert default_threads() == max(1, len(os.sched_getaffinity(0)) - 1)
+    assert default_threads() == max(1, available_cpus() - 1)
     torch.set_num_threads(3)
     use_threads(None)
     assert torch.get_num_threads() == default_threads()
@@ -81,6 +81,29 @@ def test_torch_takes_every_cpu_but_one_unless_the_setting_says(tmp_path: Path) -
     pool = AdapterPool(str(base), Storage(settings), Admission(), threads=settings.cpu_threads)
     pool.policy(None)
     assert torch.get_num_threads() == 2
+
+
+@pytest.mark.parametrize(
+    ("files", "cpus"),
+    [
+        ({"cpu.max": "max 100000\n"}, None),  # cgroup v2, no limit
+        ({"cpu.max": "150000 100000\n"}, 2),  # a limit of 1.5 CPUs: two threads' worth
+        ({"cpu.max": "100000 100000\n"}, 1),
+        ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),  # v1
+        ({"cpu/cpu.cfs_quota_us": "50000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 1),
+        ({}, None),  # no cgroup files to read
+    ],
+)
+def test_the_cpus_a_process_may_use_are_capped_by_its_containers_limit(
+    tmp_path: Path, files: dict[str, str], cpus: int | None
+) -> None:
+    from app.backends.cpu_policy import available_cpus
+
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    affinity = len(os.sched_getaffinity(0))
+    assert available_cpus(tmp_path) == (affinity if cpus is None else min(affinity, cpus))
 
 
 def test_the_cpu_backend_takes_its_threads_from_the_settings(tmp_path: Path) -> None:

@@ -476,8 +476,31 @@ class Policy:
 
 def default_threads() -> int:
     """Torch's threads where `TRAINYARD_CPU_THREADS` is not set: every CPU this process may
-    run on but one, which the event loop, the database and the other processes keep."""
-    return max(1, len(os.sched_getaffinity(0)) - 1)
+    use but one, which the event loop, the database and the other processes keep."""
+    return max(1, available_cpus() - 1)
+
+
+def available_cpus(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
+    """The CPUs this process may use: those it may run on, capped by its cgroup's CPU quota
+    rounded up (a container's CPU limit: `docker run --cpus`, a pod's `limits.cpu`), which
+    the CPU affinity does not show (a container sees every CPU of its node)."""
+    cpus = len(os.sched_getaffinity(0))
+    quota = _cgroup_quota(cgroup)
+    return cpus if quota is None else max(1, min(cpus, math.ceil(quota)))
+
+
+def _cgroup_quota(root: Path) -> float | None:
+    """CPUs' worth of time a period the cgroup may use (v2 `cpu.max`, else v1's
+    `cpu.cfs_quota_us` / `cpu.cfs_period_us`); None where none is set or none is read."""
+    with contextlib.suppress(OSError, ValueError):
+        quota, period = (root / "cpu.max").read_text().split()
+        return None if quota == "max" else int(quota) / int(period)
+    for v1 in (root / "cpu", root / "cpu,cpuacct"):
+        with contextlib.suppress(OSError, ValueError):
+            quota_us = int((v1 / "cpu.cfs_quota_us").read_text())
+            period_us = int((v1 / "cpu.cfs_period_us").read_text())
+            return None if quota_us <= 0 else quota_us / period_us
+    return None
 
 
 def use_threads(threads: int | None) -> None:
