@@ -128,6 +128,31 @@ async def test_sample_train_and_serve_the_new_step(serve, tiny_model) -> None:
     assert (past, missing) == (200, 404)
 
 
+async def test_its_models_take_the_torch_threads_the_settings_give(serve, tiny_model) -> None:
+    """TRAINYARD_CPU_THREADS reaches the worker's torch: a thread started after the model
+    is loaded (as the backend's sampling and training threads are) takes that many."""
+    import threading
+
+    import torch
+
+    def in_a_new_thread() -> int:
+        seen: list[int] = []
+        thread = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        thread.start()
+        thread.join()
+        return seen[0]
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        assert in_a_new_thread() == 3
+        async with serve(worker_enabled=True, cpu_threads=2) as live:
+            await register(live.client, tiny_model)
+            assert in_a_new_thread() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 async def test_a_token_outside_the_vocabulary_fails_the_job_saying_so(serve, tiny_model) -> None:
     """Answers whose logprobs name a token the model does not have (sampled from another
     model, or made up) fail the job with a reason, not torch's IndexError."""

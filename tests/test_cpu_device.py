@@ -1,7 +1,8 @@
 """The cpu backend's device: `auto` takes CUDA where torch sees it, the CPU here; a CUDA
 device named where there is none is refused with the setting's name; a bad value is
 refused at start. (The CUDA path itself runs on a lent GPU: scripts/gpu_smoke.py.) Its
-torch threads: TRAINYARD_CPU_THREADS, else every CPU but one, wherever a policy is made."""
+torch threads: TRAINYARD_CPU_THREADS, else every CPU but one, wherever a policy is made
+(through the cpu backend's worker: tests/test_cpu_backend.py)."""
 
 from __future__ import annotations
 
@@ -104,14 +105,6 @@ def test_the_cpus_a_process_may_use_are_capped_by_its_containers_limit(
         (tmp_path / name).write_text(text)
     affinity = len(os.sched_getaffinity(0))
     assert available_cpus(tmp_path) == (affinity if cpus is None else min(affinity, cpus))
-
-
-def test_the_cpu_backend_takes_its_threads_from_the_settings(tmp_path: Path) -> None:
-    from app.backends import SPECS
-
-    settings = Settings(data_dir=tmp_path, cpu_threads=2)
-    assert SPECS["cpu"].create(settings).threads == 2  # type: ignore[attr-defined]
-    assert SPECS["cpu"].create(Settings(data_dir=tmp_path)).threads is None  # type: ignore[attr-defined]
 
 
 def test_a_policy_samples_and_trains_on_the_device_it_was_given(tmp_path: Path) -> None:

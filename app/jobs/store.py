@@ -802,9 +802,9 @@ class PostgresStore(QueueStore):
         project's row stays locked until it commits); `retry` False: one look, in none."""
         statement = await self._claim_statement(capabilities)
         fit = _postgres_fit(capabilities)
-        if not retry:
-            return await self._looks(conn, statement, owner, lease_seconds, limit, fit, once=True)
-        return await self._looks(conn, statement, owner, lease_seconds, limit, fit, savepoints=True)
+        return await self._looks(
+            conn, statement, owner, lease_seconds, limit, fit, savepoints=retry, once=not retry
+        )
 
     async def _claim_statement(self, capabilities: Capabilities | None) -> Any:
         """Without a running quota anywhere, the statement that joins no project row."""
