@@ -74,10 +74,21 @@ _busy_models = select(_running.c.model_name).where(
 def running_in(project: ColumnElement[Any]) -> ColumnElement[int]:
     """How many of the project's jobs hold a worker now (a run holds none)."""
     held = jobs.alias("held")
+    # What `ix_jobs_project_running` holds, as SQLite's planner must see it to choose that
+    # index: the values written into the statement (bound, they do not prove that the
+    # partial index holds every row asked for) and a range on its second column that every
+    # job meets. Without them, SQLite (which keeps no statistics here) counted through
+    # `ix_jobs_project_created`, reading every job the project ever had: ~0.3 s a claim at
+    # 100,000 ended jobs, against ~0.2 ms (`test_quotas.py`, "not its history").
     return (
         select(func.count())
         .select_from(held)
-        .where(held.c.project_id == project, held.c.status == RUNNING, held.c.kind != RUN)
+        .where(
+            held.c.project_id == project,
+            held.c.status == literal_column(f"'{RUNNING}'"),
+            held.c.kind != literal_column(f"'{RUN}'"),
+            held.c.fair_seq >= literal_column(str(-(2**62))),
+        )
         .scalar_subquery()
     )
 
