@@ -1,21 +1,31 @@
 """SQLite's statements through `app.db.create_engine`: one trip each to aiosqlite's thread
-(SQLAlchemy's own adapter makes three or four), with the results, row counts, ids and
-errors that SQLAlchemy's adapter gives for the same statements."""
+(SQLAlchemy's own adapter makes three or four), or none where a `write_connection` holds
+the write lock and the statement is small, with the results, row counts, ids and errors
+that SQLAlchemy's adapter gives for the same statements."""
 
 from __future__ import annotations
 
 import asyncio
 import sqlite3
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import aiosqlite
 import pytest
-from sqlalchemy import Column, Integer, MetaData, String, Table, insert, select, text, update
+from sqlalchemy import Column, Integer, MetaData, String, Table, func, insert, select, text, update
 from sqlalchemy.exc import IntegrityError, OperationalError
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
-from app.db import create_engine, is_locked, write_connection
+from app.db import (
+    INLINE_MAX_BYTES,
+    INLINE_MAX_PARAMETERS,
+    WRITE,
+    create_engine,
+    is_locked,
+    write_connection,
+)
 
 metadata = MetaData()
 things = Table(
@@ -41,6 +51,18 @@ def trips(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return sent
 
 
+@asynccontextmanager
+async def threaded_write(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
+    """A writing transaction whose statements all make the trip (as the ORM's do)."""
+    async with engine.connect() as conn:
+        conn = await conn.execution_options(**WRITE)
+        async with conn.begin():
+            yield conn
+
+
+Writing = Callable[[AsyncEngine], AbstractAsyncContextManager[AsyncConnection]]
+
+
 async def _with_table(engine: AsyncEngine) -> AsyncEngine:
     async with engine.begin() as conn:
         await conn.run_sync(metadata.create_all)
@@ -50,7 +72,7 @@ async def _with_table(engine: AsyncEngine) -> AsyncEngine:
 async def test_a_statement_is_one_trip_to_the_thread(tmp_path: Path, trips: list[str]) -> None:
     engine = await _with_table(create_engine(f"sqlite+aiosqlite:///{tmp_path / 'a.db'}"))
     try:
-        async with write_connection(engine) as conn:
+        async with threaded_write(engine) as conn:
             trips.clear()
             await conn.execute(insert(things).values(name="a", n=1))
             await conn.execute(update(things).values(n=2).returning(things.c.n))
@@ -61,10 +83,40 @@ async def test_a_statement_is_one_trip_to_the_thread(tmp_path: Path, trips: list
         await engine.dispose()
 
 
-async def _scenario(engine: AsyncEngine) -> dict[str, Any]:
+async def test_a_transaction_holding_the_write_lock_runs_small_statements_on_the_loop(
+    tmp_path: Path, trips: list[str]
+) -> None:
+    """Only BEGIN IMMEDIATE (which may wait for another writer), COMMIT (which may
+    checkpoint) and statements with a large value or many parameters make the trip."""
+    engine = await _with_table(create_engine(f"sqlite+aiosqlite:///{tmp_path / 'a.db'}"))
+    try:
+        async with engine.connect():  # the pool's connection, set up
+            trips.clear()
+        async with write_connection(engine) as conn:
+            assert trips == ["_one_trip"]  # BEGIN IMMEDIATE
+            trips.clear()
+            await conn.execute(insert(things).values(name="a", n=1))
+            await conn.execute(update(things).values(n=2).returning(things.c.n))
+            assert (await conn.execute(select(things.c.name))).all() == [("a",)]
+            await conn.execute(insert(things), [{"name": f"m{i}", "n": i} for i in range(50)])
+            assert trips == []
+            await conn.execute(insert(things).values(name="x" * (INLINE_MAX_BYTES + 1), n=3))
+            many = [{"name": f"b{i}", "n": i} for i in range(INLINE_MAX_PARAMETERS // 2 + 1)]
+            await conn.execute(insert(things), many)
+            assert trips == ["_one_trip", "_one_trip"]
+        assert trips[-1] == "commit"
+        trips.clear()
+        async with engine.connect() as conn:  # a read transaction: BEGIN, and the read
+            assert await conn.scalar(select(func.count()).select_from(things)) == 52 + len(many)
+        assert trips == ["_one_trip", "_one_trip", "rollback"], trips  # and the pool's
+    finally:
+        await engine.dispose()
+
+
+async def _scenario(engine: AsyncEngine, writing: Writing) -> dict[str, Any]:
     """What a caller sees of each kind of statement."""
     seen: dict[str, Any] = {}
-    async with write_connection(engine) as conn:
+    async with writing(engine) as conn:
         one = await conn.execute(insert(things).values(name="a", n=1))
         seen["inserted_key"] = one.inserted_primary_key
         many = await conn.execute(insert(things), [{"name": f"m{i}", "n": i} for i in range(5)])
@@ -88,7 +140,7 @@ async def _scenario(engine: AsyncEngine) -> dict[str, Any]:
         streamed = await conn.stream(select(things.c.name).order_by(things.c.name))
         seen["streamed"] = [row.name async for row in streamed]
     with pytest.raises(IntegrityError) as duplicate:
-        async with write_connection(engine) as conn:
+        async with writing(engine) as conn:
             await conn.execute(insert(things).values(name="a", n=0))
     seen["duplicate"] = type(duplicate.value.orig).__name__
     async with engine.connect() as conn:  # the failed transaction wrote nothing
@@ -96,13 +148,16 @@ async def _scenario(engine: AsyncEngine) -> dict[str, Any]:
     return seen
 
 
-async def test_results_and_errors_are_those_of_sqlalchemys_own_adapter(tmp_path: Path) -> None:
+@pytest.mark.parametrize("writing", [write_connection, threaded_write], ids=["loop", "thread"])
+async def test_results_and_errors_are_those_of_sqlalchemys_own_adapter(
+    tmp_path: Path, writing: Writing
+) -> None:
     ours = await _with_table(create_engine(f"sqlite+aiosqlite:///{tmp_path / 'ours.db'}"))
     stock = await _with_table(create_async_engine(f"sqlite+aiosqlite:///{tmp_path / 'stock.db'}"))
     try:
-        expected = await _scenario(stock)
+        expected = await _scenario(stock, threaded_write)
         assert expected["many_rowcount"] == 5 and expected["returning"] == [(1, 7)]
-        assert await _scenario(ours) == expected
+        assert await _scenario(ours, writing) == expected
     finally:
         await ours.dispose()
         await stock.dispose()
@@ -157,7 +212,7 @@ async def test_an_engine_given_its_own_connection_maker_uses_it(
 
     engine = await _with_table(create_engine("sqlite+aiosqlite://", async_creator=connect))
     try:
-        async with write_connection(engine) as conn:
+        async with threaded_write(engine) as conn:
             trips.clear()
             await conn.execute(insert(things).values(name="a", n=1))
             assert trips == ["_one_trip"]
