@@ -147,10 +147,11 @@ its statements runs on the event loop's thread, not in aiosqlite's (see `_small`
 
 Holding the lock (`BEGIN IMMEDIATE`, WAL), a statement waits on no other connection: it
 reads pages from the file's cache and writes into its own, ~5 to 20 µs for a row. The trip to
-aiosqlite's thread and back costs ~90 µs of hand-offs and wake-ups, and ~250 µs a statement
-with SQLAlchemy's awaiting around it, idle (`bench/README.md`, "A hand-over on the loop's
-thread"). `BEGIN IMMEDIATE` (which waits up to the busy timeout for another writer) and
-`COMMIT` (which may checkpoint the WAL: disk writes and an fsync) still make the trip."""
+aiosqlite's thread and back costs ~90 µs of hand-offs and wake-ups, and a statement
+~300 to 400 µs from Python with SQLAlchemy's awaiting around it, against 120 to 150 µs on
+the loop's thread, idle (`bench/README.md`, "A hand-over on the loop's thread").
+`BEGIN IMMEDIATE` (which waits up to the busy timeout for another writer) and `COMMIT`
+(which may checkpoint the WAL: disk writes and an fsync) still make the trip."""
 
 INLINE_MAX_BYTES = 64 * 1024
 INLINE_MAX_PARAMETERS = 512
