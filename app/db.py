@@ -169,8 +169,10 @@ def _small(parameters: Any, many: bool) -> bool:
         values = row.values() if isinstance(row, dict) else row
         count += len(values)
         for value in values:
-            if isinstance(value, str | bytes):
+            if isinstance(value, str | bytes | bytearray):
                 size += len(value)
+            elif isinstance(value, memoryview):  # a job's payload, compressed
+                size += value.nbytes
         if count > INLINE_MAX_PARAMETERS or size > INLINE_MAX_BYTES:
             return False
     return True
